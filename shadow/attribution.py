@@ -1,0 +1,92 @@
+"""Which module and phase each op call belongs to.
+
+Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker``; the optimizer
+phase from the optimizer step hooks, where parameter (and gradient, optimizer state) storages are
+mapped to the parameter's dotted name so optimizer ops are charged to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.module_tracker import ModuleTracker
+
+
+def _innermost(parents: set[str]) -> str:
+    names = [p for p in parents if p != "Global"]
+    if not names:
+        return ""
+    return max(names, key=lambda s: (s.count("."), s))
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    out = []
+    for level in zip(*parts):
+        if any(p != level[0] for p in level):
+            break
+        out.append(level[0])
+    return ".".join(out)
+
+
+class Attribution:
+    """Tracks the current module and phase while a ShadowMode is active."""
+
+    def __init__(self) -> None:
+        self._tracker = ModuleTracker()
+        self._optimizer_depth = 0
+        self._param_names: dict[int, str] = {}  # storage address -> parameter name, during a step
+        self._handles: list = []
+
+    def __enter__(self) -> Attribution:
+        self._tracker.__enter__()
+        self._handles = [
+            register_optimizer_step_pre_hook(self._step_pre),
+            register_optimizer_step_post_hook(self._step_post),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._tracker.__exit__(*exc)
+
+    def _step_pre(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        self._optimizer_depth += 1
+        self._param_names = self._names_for(opt)
+
+    def _step_post(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        if not self._optimizer_depth:
+            self._param_names = {}
+
+    def _names_for(self, opt: torch.optim.Optimizer) -> dict[int, str]:
+        known = getattr(self._tracker, "_known_modules", {})  # module -> dotted name, from forward passes
+        by_param: dict[int, str] = {}
+        for mod, fqn in list(known.items()):
+            for pname, p in mod.named_parameters(recurse=False):
+                by_param.setdefault(id(p), f"{fqn}.{pname}")
+        names: dict[int, str] = {}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                name = by_param.get(id(p))
+                if name is None:
+                    continue
+                related = [p, p.grad] + [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+                for t in related:
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        names[t.untyped_storage()._cdata] = name
+        return names
+
+    def where(self, tensors) -> tuple[str, str]:
+        """(module, phase) of the op being dispatched; ``tensors`` its tensor arguments (optimizer naming)."""
+        if self._optimizer_depth:
+            found = sorted(
+                {self._param_names[k] for k in (t.untyped_storage()._cdata for t in tensors) if k in self._param_names}
+            )
+            return (_common_prefix(found) if len(found) > 1 else (found[0] if found else "")), "optimizer"
+        module = _innermost(self._tracker.parents)
+        if torch._C._current_graph_task_id() != -1:
+            return module, "backward"
+        return module, ("forward" if module else "other")

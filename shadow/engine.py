@@ -1,0 +1,313 @@
+"""The per-op engine behind ShadowMode: prepare shadow arguments, let the device run, replay, compare.
+
+Ground rules (README): the device's computation is never changed (shadow only reads device tensors and
+works on its own copies with Python dispatch disabled, so no mode below sees it); no op it cannot replay
+and no error of its own ever reaches the user's program; every op is seen and recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .attribution import Attribution
+from .metrics import ErrorStats, compare, count_flips
+from .mirror import Mirror, shadow_dtype_of
+from .options import Options
+from .replay import Kind, Replay, Unsupported, rule_chain, run_chain, view_rule
+from .report import Event, Record, Report, merged
+from .schema import ArgKind, OpPlan, build_plan, flat_returns
+
+_no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
+
+
+class _Call:
+    """What ``prepare`` built before the device op ran."""
+
+    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages")
+
+    def __init__(self, plan: OpPlan, chain: tuple):
+        self.plan = plan
+        self.chain = chain
+        self.sargs: list = []
+        self.skw: dict = {}
+        self.largs: list | None = None  # the device's own inputs, upcast (None: not needed)
+        self.lkw: dict | None = None
+        self.exact = True  # every shadow input equals the device's: local error = drift
+        self.inputs: list[torch.Tensor] = []  # device tensors read (for optimizer naming)
+        self.storages: set[int] = set()  # shadow storages of the inputs (an output aliasing one is copied)
+
+
+class Engine:
+    def __init__(self, options: Options, report: Report, attribution: Attribution):
+        self.opt = options
+        self.report = report
+        self.attr = attribution
+        self.mirror = Mirror(follow_reference=options.follow == "reference")
+        self._plans: dict[Any, tuple[OpPlan, tuple]] = {}
+        self._index = 0
+
+    # --- entry point, called by the dispatch mode ---
+    def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
+        if func.namespace != "aten":
+            self.report.coverage.passthrough += 1
+            return func(*args, **kwargs)
+        entry = self._plans.get(func)
+        if entry is None:
+            entry = self._plans[func] = self._plan(func)
+        if entry is None:  # shadow cannot even read this op's schema
+            return func(*args, **kwargs)
+        plan, chain = entry
+        if chain[0] is view_rule:  # aliases and metadata: nothing to compute, nothing to compare
+            out = func(*args, **kwargs)
+            self._record(plan, Kind.VIEW, args, kwargs)
+            return out
+        call = error = None
+        try:
+            with _no_dispatch():
+                call = self._prepare(plan, chain, args, kwargs)
+        except Exception as exc:  # never raise into the user's program
+            error = exc
+        out = func(*args, **kwargs)
+        with _no_dispatch():
+            try:
+                if error is not None:
+                    raise error
+                self._finish(call, args, kwargs, out)
+            except Exception as exc:
+                self._internal_error(plan, args, kwargs, out, exc)
+        return out
+
+    def _plan(self, func) -> tuple[OpPlan, tuple] | None:
+        try:
+            plan = build_plan(func)
+            return plan, rule_chain(plan)
+        except Exception as exc:  # never raise into the user's program
+            self.report.coverage.internal_errors += 1
+            self.report.coverage.unsupported.setdefault(str(func), f"internal error reading the schema: {exc}")
+            return None
+
+    # --- before the device op ---
+    def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> _Call:
+        call = _Call(plan, chain)
+        sargs, skw = list(args), dict(kwargs)
+        for spec in plan.tensor_args:
+            v = spec.get(args, kwargs)
+            if v is None:
+                continue
+            if spec.kind is ArgKind.TENSOR:
+                spec.put(sargs, skw, self._shadow_arg(call, v, spec.write, spec.index in plan.declared_writes))
+            else:
+                spec.put(
+                    sargs,
+                    skw,
+                    [None if t is None else self._shadow_arg(call, t, spec.write, spec.index in plan.declared_writes)
+                     for t in v],
+                )
+        for spec in plan.remap_args:
+            v = spec.get(args, kwargs)
+            new = _remap(spec.name, v)
+            if new is not v:
+                spec.put(sargs, skw, new)
+        call.sargs, call.skw = sargs, skw
+        if self.opt.local and not call.exact:
+            call.largs, call.lkw = self._local_args(plan, args, kwargs, sargs, skw)
+        return call
+
+    def _shadow_arg(self, call: _Call, t: Any, write: bool, declared: bool) -> Any:
+        if not isinstance(t, torch.Tensor):  # a Python scalar in a Tensor slot
+            return t
+        sd = self.mirror.shadow_dtype(t.dtype)
+        if sd is None:  # discrete, following the device: its values, never written back
+            c = t.to("cpu")
+            return c.clone() if write and c is t else c
+        if t._is_zerotensor():  # _efficientzerotensor has no memory to read
+            return torch.zeros(t.shape, dtype=sd)
+        m = self.mirror
+        e = m.entry(t)
+        if m.unobserved_write(t, e):
+            m.resync(t)
+            e = m.entry(t)
+            self.report.coverage.unobserved_writes += 1
+            self.report.events.append(
+                Event(self._index, call.plan.name, "unobserved_write",
+                      f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced")
+            )
+        if declared:
+            m.note_write(e)
+        call.exact = call.exact and e.exact
+        call.inputs.append(t)
+        call.storages.add(e.base.untyped_storage()._cdata)
+        return m.view(t, e)
+
+    def _local_args(self, plan: OpPlan, args, kwargs, sargs, skw) -> tuple[list, dict]:
+        """The device's own inputs, upcast exactly (copies: the replay may write them)."""
+        largs, lkw = list(sargs), dict(skw)
+
+        def up(t: Any) -> Any:
+            return self.mirror.upcast(t) if isinstance(t, torch.Tensor) else t
+
+        for spec in plan.tensor_args:
+            v = spec.get(args, kwargs)
+            if v is None:
+                continue
+            if spec.kind is ArgKind.TENSOR:
+                spec.put(largs, lkw, up(v))
+            else:
+                spec.put(largs, lkw, [up(t) for t in v])
+        return largs, lkw
+
+    # --- after the device op ---
+    def _finish(self, call: _Call, args, kwargs, out) -> None:
+        plan = call.plan
+        try:
+            kind, souts = run_chain(call.chain, Replay(plan, call.sargs, call.skw, out))
+        except Unsupported as exc:
+            self._adopt_all(plan, args, kwargs, out)
+            self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=exc.reason, inputs=call.inputs)
+            return
+        if souts is None:  # random or uninitialized: the device's values are adopted
+            self._adopt_all(plan, args, kwargs, out)
+            self._record(plan, kind, args, kwargs, inputs=call.inputs)
+            return
+        louts = None
+        if call.largs is not None:
+            _, louts = run_chain(call.chain, Replay(plan, call.largs, call.lkw, out))
+        drifts, locals_, flips, lflips, mismatch = [], [], 0, 0, 0
+        # written arguments: in-place and out= results
+        for spec in plan.writes:
+            dev = spec.get(args, kwargs)
+            if dev is None:
+                continue
+            sh, lo = spec.get(call.sargs, call.skw), (spec.get(call.largs, call.lkw) if louts is not None else None)
+            if spec.kind is ArgKind.TENSOR:
+                dev, sh, lo = [dev], [sh], [lo]
+            elif lo is None:
+                lo = [None] * len(dev)
+            for d, s, l in zip(dev, sh, lo):
+                if isinstance(d, torch.Tensor):
+                    f = self._output(call, d, s, l, True, drifts, locals_)
+                    flips += f[0]; lflips += f[1]; mismatch += f[2]  # noqa: E702
+        # fresh returns
+        item = None
+        if plan.returns and not all(r.aliases_write or r.aliases_read for r in plan.returns):
+            dflat = flat_returns(plan, out)
+            sflat = flat_returns(plan, souts)
+            lflat = flat_returns(plan, louts) if louts is not None else [(None, None)] * len(dflat)
+            for (spec, d), (_, s), (_, l) in zip(dflat, sflat, lflat):
+                if spec.aliases_write or spec.aliases_read:
+                    continue
+                if isinstance(d, torch.Tensor):
+                    f = self._output(call, d, s, l, False, drifts, locals_)
+                    flips += f[0]; lflips += f[1]; mismatch += f[2]  # noqa: E702
+                elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):
+                    item = (d, s)
+                    if isinstance(d, float):
+                        dtype = next((t.dtype for t in call.inputs), torch.float64)
+                        drifts.append(compare(torch.tensor(d, dtype=torch.float64),
+                                              torch.tensor(float(s), dtype=torch.float64), dtype))
+                    elif d != s:
+                        flips += 1
+        drift = merged(drifts) if self.opt.drift else None
+        if not self.opt.local:
+            local = None
+        elif louts is None:
+            local = drift  # every input exact: the replay on the device's inputs is the shadow replay
+        else:
+            local = merged(locals_)
+        self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
+                     mismatch=mismatch, item=item, inputs=call.inputs)
+
+    def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool,
+                drifts: list, locals_: list) -> tuple[int, int, int]:
+        """Compare one device output with its shadow (and local) value and keep the shadow."""
+        m = self.mirror
+        sd = m.shadow_dtype(dev.dtype)
+        if not isinstance(sh, torch.Tensor) or dev._is_zerotensor():
+            return 0, 0, 0
+        if sh.shape != dev.shape:  # a data-dependent shape the shadow did not reproduce
+            if sd is not None:
+                m.assign(dev, m.upcast(dev), exact=True, fresh=True)
+            return 0, 0, 1
+        if shadow_dtype_of(dev.dtype) is None:  # discrete result
+            flips = count_flips(dev, sh)
+            lflips = count_flips(dev, lo) if isinstance(lo, torch.Tensor) and lo.shape == dev.shape else 0
+            if sd is not None:  # follow="reference": the shadow keeps its own discrete result
+                sh = sh.to(sd)
+                if written:
+                    m.commit_write(dev, sh, exact=flips == 0)
+                else:
+                    m.assign(dev, sh, exact=flips == 0, fresh=sh.untyped_storage()._cdata not in call.storages)
+            return flips, lflips, 0
+        if sh.dtype != sd:
+            sh = sh.to(sd)
+        drift = compare(dev, sh, dev.dtype) if self.opt.drift else None
+        if drift is not None:
+            drifts.append(drift)
+        if isinstance(lo, torch.Tensor):
+            locals_.append(compare(dev, lo, dev.dtype) if lo.shape == dev.shape else ErrorStats())
+        exact = drift is not None and drift.exact
+        if written:
+            m.commit_write(dev, sh, exact)
+        else:
+            m.assign(dev, sh, exact, fresh=sh.untyped_storage()._cdata not in call.storages)
+            m.unobserved_write(dev, m.entry(dev))  # start tracking the new output's version counter
+        return 0, 0, 0
+
+    # --- adoption and recording ---
+    def _adopt_all(self, plan: OpPlan, args, kwargs, out) -> None:
+        """Make the device's values the shadow of every output and written argument."""
+        m = self.mirror
+        targets: list = []
+        for spec in plan.writes:
+            v = spec.get(args, kwargs)
+            if v is not None:
+                targets.extend([v] if spec.kind is ArgKind.TENSOR else v)
+        targets.extend(t for _, t in flat_returns(plan, out))
+        for t in targets:
+            if isinstance(t, torch.Tensor) and not t._is_zerotensor() and m.shadow_dtype(t.dtype) is not None:
+                m.assign(t, m.upcast(t), exact=True, fresh=True)
+
+    def _internal_error(self, plan: OpPlan, args, kwargs, out, exc: Exception) -> None:
+        self.report.coverage.internal_errors += 1
+        try:
+            self._adopt_all(plan, args, kwargs, out)
+        except Exception:  # adoption failed too: the next read re-adopts from the device
+            pass
+        reason = f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=reason)
+
+    def _record(self, plan: OpPlan, kind: Kind, args, kwargs, *, local=None, drift=None, flips=0, local_flips=0,
+                mismatch=0, item=None, reason="", inputs=()) -> None:
+        module, phase = self.attr.where(inputs)
+        rec = Record(self._index, plan.name, module, phase, kind.value, local, drift, flips, local_flips, mismatch,
+                     item, reason)
+        self._index += 1
+        self.report.add(rec)
+
+    # --- queries ---
+    def shadow_of(self, t: torch.Tensor) -> torch.Tensor:
+        with _no_dispatch():
+            if self.mirror.shadow_dtype(t.dtype) is None:
+                raise TypeError(f"shadow_of: {t.dtype} tensors are not shadowed (only floating and complex ones "
+                                "are; discrete ones too with follow='reference')")
+            if t._is_zerotensor():
+                return torch.zeros(t.shape, dtype=self.mirror.shadow_dtype(t.dtype))
+            v = self.mirror.lookup(t)
+            if v is None:
+                raise KeyError("shadow_of: this tensor's storage was never seen by this ShadowMode "
+                               "(create or use it inside the `with ShadowMode()` block)")
+            return v.clone()
+
+
+def _remap(name: str, v: Any) -> Any:
+    """dtype and device arguments for the float64 CPU replay."""
+    if isinstance(v, torch.dtype):
+        return shadow_dtype_of(v) or v
+    if isinstance(v, torch.device):
+        return torch.device("cpu")
+    if name in ("pin_memory", "half_to_float") and v:
+        return False
+    return v
+

@@ -1,0 +1,211 @@
+"""Storage mirror: one CPU shadow per device storage; a tensor's shadow is an as_strided view of it.
+
+Mirroring storages rather than tensors makes aliasing, views, in-place and ``out=`` replay exactly: a
+write through any view of a storage lands in the one shadow every other view reads.
+
+Entries are keyed by the StorageImpl address and hold a weak reference to it (``StorageWeakRef``),
+which keeps the address from being reused while the entry lives; ``sweep`` drops the entries of dead
+storages. Every method here runs inside ``__torch_dispatch__`` with dispatch disabled.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_SWEEP_EVERY = 64  # new entries between sweeps: bounds the shadow memory kept for dead storages
+
+
+def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
+    """float64 for real floating dtypes, complex128 for complex ones, None for discrete ones."""
+    if dtype.is_complex:
+        return torch.complex128
+    if dtype.is_floating_point:
+        return torch.float64
+    return None
+
+
+class _Entry:
+    __slots__ = ("wref", "base", "itemsize", "nbytes", "exact", "writes")
+
+    def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int):
+        self.wref = StorageWeakRef(storage)
+        self.base = base  # 1-D shadow of the whole storage
+        self.itemsize = itemsize
+        self.nbytes = storage.nbytes()
+        self.exact = exact  # the shadow equals the device's values exactly
+        self.writes = writes  # writes seen through ops that bump the version counter
+
+
+def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return base.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` into ``base`` where ``t`` lies in its storage; self-overlapping layouts (stride 0)
+    cannot be ``copy_``-ed into, so they go through flat indices (duplicates hold equal values)."""
+    if torch._debug_has_internal_overlap(t) == 0:
+        _region(base, t).copy_(value)
+        return
+    idx = torch.arange(base.numel()).as_strided(t.size(), t.stride(), t.storage_offset())
+    base.index_put_((idx.reshape(-1),), value.expand(t.shape).reshape(-1).to(base.dtype))
+
+
+class Mirror:
+    """The float64 shadows of the storages a program touched, and the version counters seen."""
+
+    def __init__(self, follow_reference: bool):
+        self._follow_reference = follow_reference
+        self._entries: dict[int, _Entry] = {}
+        self._versions: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id(t) -> (ref, key, version, writes)
+        self._new = 0
+        self.adopted = 0  # storages first seen mid-run, adopted by exact upcast
+        self.resynced = 0  # storages re-read from the device after an unobserved write
+        self.reinterpreted = 0  # reads through a view of another dtype size, served from the device
+
+    # --- which tensors are mirrored ---
+    def shadow_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        sd = shadow_dtype_of(dtype)
+        if sd is None and self._follow_reference:
+            return dtype
+        return sd
+
+    # --- reading ---
+    def entry(self, t: torch.Tensor) -> _Entry:
+        """The entry of t's storage, adopting the storage from the device when first seen."""
+        st = t.untyped_storage()
+        e = self._entries.get(st._cdata)
+        if e is None or e.nbytes != st.nbytes():
+            e = self._adopt(t, st, e)
+        return e
+
+    def view(self, t: torch.Tensor, e: _Entry) -> torch.Tensor:
+        """The shadow of tensor t (a view into its storage's shadow when the layouts agree)."""
+        if e.itemsize != t.element_size():
+            self.reinterpreted += 1
+            return self.upcast(t)
+        return _region(e.base, t)
+
+    def upcast(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of t in its shadow dtype: exact for every floating dtype."""
+        sd = self.shadow_dtype(t.dtype) or t.dtype
+        if t._is_zerotensor():
+            return torch.zeros(t.shape, dtype=sd)
+        return t.to(device="cpu", dtype=sd, copy=True)
+
+    def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
+        itemsize = t.element_size()
+        n = st.nbytes() // itemsize
+        flat = t.as_strided((n,), (1,), 0)
+        base = flat.to(device="cpu", dtype=self.shadow_dtype(t.dtype), copy=True)
+        if old is None:
+            self.adopted += 1
+        e = _Entry(st, base, itemsize, exact=True, writes=old.writes if old is not None else 0)
+        self._put(st._cdata, e)
+        return e
+
+    def resync(self, t: torch.Tensor) -> None:
+        """Re-read t's whole storage from the device (after a write shadow did not see)."""
+        st = t.untyped_storage()
+        old = self._entries.get(st._cdata)
+        self._adopt(t, st, old)
+        self.resynced += 1
+
+    def _put(self, key: int, e: _Entry) -> None:
+        self._entries[key] = e
+        self._new += 1
+        if self._new >= _SWEEP_EVERY:
+            self.sweep()
+
+    # --- writing ---
+    def assign(self, t: torch.Tensor, value: torch.Tensor, exact: bool, fresh: bool) -> None:
+        """Make ``value`` the shadow of device tensor t (an op's output).
+
+        ``fresh``: value is a new tensor no other shadow aliases, so it can become the storage shadow
+        without a copy when t covers its whole storage contiguously."""
+        st = t.untyped_storage()
+        key = st._cdata
+        e = self._entries.get(key)
+        itemsize = t.element_size()
+        if e is not None and e.nbytes == st.nbytes() and e.itemsize == itemsize:
+            _write_region(e.base, t, value)
+            e.exact = e.exact and exact
+            return
+        n = st.nbytes() // itemsize
+        sd = self.shadow_dtype(t.dtype)
+        if (
+            fresh
+            and t.numel() == n
+            and t.storage_offset() == 0
+            and t.is_contiguous()
+            and value.is_contiguous()
+            and value.dtype == sd
+        ):
+            base = value.reshape(-1)
+        else:  # the output does not cover its storage: the rest is what the device holds
+            base = t.as_strided((n,), (1,), 0).to(device="cpu", dtype=sd, copy=True)
+            _write_region(base, t, value)
+        self._put(key, _Entry(st, base, itemsize, exact, e.writes if e is not None else 0))
+
+    def commit_write(self, t: torch.Tensor, shadow_view: torch.Tensor, exact: bool) -> None:
+        """After an op wrote device tensor t and its replay wrote ``shadow_view``: keep the result.
+
+        Usually the replay wrote into the storage shadow already; when the op moved or resized t's
+        storage (``out=`` reallocation, ``resize_``, ``set_``), the value is copied to where t now lies."""
+        st = t.untyped_storage()
+        e = self._entries.get(st._cdata)
+        if (
+            e is not None
+            and e.nbytes == st.nbytes()
+            and e.itemsize == t.element_size()
+            and shadow_view.untyped_storage()._cdata == e.base.untyped_storage()._cdata
+            and shadow_view.size() == t.size()
+            and shadow_view.stride() == t.stride()
+            and shadow_view.storage_offset() == t.storage_offset()
+        ):
+            e.exact = e.exact and exact
+            return
+        self.assign(t, shadow_view, exact, fresh=False)
+
+    # --- versions: writes shadow did not see ---
+    def note_write(self, e: _Entry) -> None:
+        e.writes += 1
+
+    def unobserved_write(self, t: torch.Tensor, e: _Entry) -> bool:
+        """Whether t's version counter moved more than the writes seen on its storage since t was last
+        seen (checked lazily: the counter is bumped after ``__torch_dispatch__`` returns)."""
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            return False
+        key = t.untyped_storage()._cdata
+        rec = self._versions.get(id(t))
+        moved = rec is not None and rec[0]() is t and rec[1] == key and version - rec[2] > e.writes - rec[3]
+        self._versions[id(t)] = (weakref.ref(t), key, version, e.writes)
+        return moved
+
+    # --- lifetime ---
+    def sweep(self) -> None:
+        """Drop the shadows of storages that died, and the version records of dead tensors."""
+        self._new = 0
+        dead = [k for k, e in self._entries.items() if e.wref.expired()]
+        for k in dead:
+            del self._entries[k]
+        if len(self._versions) > 4 * len(self._entries) + 256:
+            self._versions = {k: v for k, v in self._versions.items() if v[0]() is not None}
+
+    def lookup(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The current shadow of t, or None if t's storage was never seen."""
+        st = t.untyped_storage()
+        e = self._entries.get(st._cdata)
+        if e is None or e.nbytes != st.nbytes():
+            return None
+        return self.view(t, e)
+
+    def shadow_bytes(self) -> int:
+        return sum(e.base.numel() * e.base.element_size() for e in self._entries.values() if not e.wref.expired())
+
+    def device_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if not e.wref.expired())

@@ -1,0 +1,96 @@
+"""ShadowMode: the public object. A small private TorchDispatchMode only forwards to the engine."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..attribution import Attribution
+from ..engine import Engine
+from ..options import Options
+from ..report import Report
+
+
+class _ShadowDispatch(TorchDispatchMode):
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self._engine = engine
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._engine.dispatch(func, args, kwargs or {})
+
+
+class ShadowMode:
+    """Replay every aten op in float64 on the CPU and record each op's error and the drift since the start.
+
+    >>> with ShadowMode() as sm:
+    ...     loss = model(x).sum(); loss.backward(); opt.step()      # doctest: +SKIP
+    >>> print(sm.report.table())                                     # doctest: +SKIP
+    >>> sm.shadow_of(loss)   # the float64 value the program would have computed  # doctest: +SKIP
+
+    The device computes exactly what it computes without shadow; ops shadow cannot replay are recorded
+    (``report.coverage``) and their device results adopted. State persists across ``with`` blocks;
+    ``reset()`` clears it.
+    """
+
+    def __init__(
+        self,
+        *,
+        local: bool = True,  # each op's own error: replay on the device's own inputs
+        drift: bool = True,  # the error accumulated since the start: device vs shadow
+        follow: str = "device",  # discrete results downstream: "device" (default) or "reference" (the shadow's own)
+        max_records: int | None = None,  # cap on per-call records; aggregates always cover every call
+    ):
+        self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records)
+        self._active = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every shadow and record (not allowed inside the ``with`` block)."""
+        if self._active:
+            raise RuntimeError("ShadowMode.reset() inside its `with` block: call it after the block exits")
+        self.report = Report(max_records=self.options.max_records, meta=self._meta())
+        self._attr = Attribution()
+        self._engine = Engine(self.options, self.report, self._attr)
+        self._mode = None
+
+    def _meta(self) -> dict:
+        from .. import __version__
+
+        return {"shadow": __version__, "torch": torch.__version__, "options": {
+            "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow}}
+
+    def __enter__(self) -> ShadowMode:
+        if self._active:
+            raise RuntimeError("this ShadowMode is already active: nest a different instance, or exit first")
+        self._attr.__enter__()
+        self._mode = _ShadowDispatch(self._engine)
+        self._mode.__enter__()
+        self._active = 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._active = 0
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._attr.__exit__(*exc)
+            self._mode = None
+        m = self._engine.mirror
+        cov = self.report.coverage
+        cov.tensors_adopted, cov.reinterpreted = m.adopted, m.reinterpreted
+
+    def shadow_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The shadow value of any tensor seen: a float64 (complex128) CPU copy.
+
+        >>> sm.shadow_of(loss).item()   # doctest: +SKIP
+        """
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"shadow_of expects a torch.Tensor, got {type(t).__name__}")
+        return self._engine.shadow_of(t)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held by live shadows, and the device bytes they mirror."""
+        with torch._C._DisableTorchDispatch():
+            self._engine.mirror.sweep()
+            return {"shadow_bytes": self._engine.mirror.shadow_bytes(), "device_bytes": self._engine.mirror.device_bytes()}

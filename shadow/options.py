@@ -1,0 +1,30 @@
+"""ShadowMode options: keyword-only, validated, with errors that list the valid values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+FOLLOW = ("device", "reference")
+
+
+class ShadowOptionError(ValueError):
+    """An option has a value shadow cannot use; the message names the valid values."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+    local: bool = True  # record each op's own error (replay on the device's own inputs)
+    drift: bool = True  # record the error accumulated since the start (device vs shadow)
+    follow: str = "device"  # discrete results (indices, masks) downstream: the device's or the shadow's own
+    max_records: int | None = None  # keep at most this many per-call records (aggregates cover all calls)
+
+    def __post_init__(self) -> None:
+        for name in ("local", "drift"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShadowOptionError(f"{name}={getattr(self, name)!r}: expected True or False")
+        if self.follow not in FOLLOW:
+            raise ShadowOptionError(f"follow={self.follow!r}: expected one of {', '.join(map(repr, FOLLOW))}")
+        if self.max_records is not None and (
+            isinstance(self.max_records, bool) or not isinstance(self.max_records, int) or self.max_records < 0
+        ):
+            raise ShadowOptionError(f"max_records={self.max_records!r}: expected None (keep all) or an int >= 0")

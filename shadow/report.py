@@ -1,0 +1,289 @@
+"""Records (numbers only, no tensors), per-op aggregates, coverage, and the saved report format."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterable
+
+from .metrics import ErrorStats
+
+FORMAT = "shadow-report"
+VERSION = 1
+PHASES = ("forward", "backward", "optimizer", "other")
+
+
+class ReportFormatError(ValueError):
+    """A file is not a shadow report this version can read."""
+
+
+@dataclasses.dataclass(slots=True)
+class Record:
+    """One op call. ``local``: the device output against the op replayed in float64 on the device's own
+    inputs; ``drift``: against the shadow, computed from shadow inputs since the start."""
+
+    index: int
+    op: str
+    module: str
+    phase: str
+    kind: str
+    local: ErrorStats | None = None
+    drift: ErrorStats | None = None
+    flips: int = 0  # discrete outputs: elements where the device differs from the shadow
+    local_flips: int = 0  # ... from the replay on the device's own inputs
+    shape_mismatch: int = 0  # outputs whose shape differed from the shadow's (device adopted)
+    item: tuple[float, float] | None = None  # .item(): (device value, shadow value)
+    reason: str = ""  # why an op was not replayed
+
+    @property
+    def nonfinite(self) -> int:
+        return self.drift.nonfinite if self.drift is not None else 0
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["local"] = self.local.to_dict() if self.local is not None else None
+        d["drift"] = self.drift.to_dict() if self.drift is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Record:
+        d = dict(d)
+        d["local"] = ErrorStats(**_numbers(d["local"])) if d.get("local") is not None else None
+        d["drift"] = ErrorStats(**_numbers(d["drift"])) if d.get("drift") is not None else None
+        if d.get("item") is not None:
+            d["item"] = tuple(_number(v) for v in d["item"])
+        return cls(**d)
+
+
+@dataclasses.dataclass(slots=True)
+class Aggregate:
+    """Every call of one op (or module), whether or not its per-call record was kept."""
+
+    calls: int = 0
+    kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    max_local_ulp: float = 0.0
+    max_local_abs: float = 0.0
+    max_drift_rel: float = 0.0
+    max_drift_ulp: float = 0.0
+    flips: int = 0
+    nonfinite: int = 0
+    first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
+
+    def add(self, rec: Record) -> None:
+        self.calls += 1
+        self.kinds[rec.kind] = self.kinds.get(rec.kind, 0) + 1
+        if rec.local is not None:
+            self.max_local_ulp = max(self.max_local_ulp, rec.local.max_ulp)
+            self.max_local_abs = max(self.max_local_abs, rec.local.max_abs)
+        if rec.drift is not None:
+            self.max_drift_rel = max(self.max_drift_rel, rec.drift.rel_norm)
+            self.max_drift_ulp = max(self.max_drift_ulp, rec.drift.max_ulp)
+        self.flips += rec.flips
+        nf = rec.nonfinite + (rec.local.nonfinite if rec.local is not None else 0)
+        if nf:
+            self.nonfinite += nf
+            if self.first_nonfinite is None:
+                self.first_nonfinite = rec.index
+
+
+@dataclasses.dataclass(slots=True)
+class Coverage:
+    """What shadow saw and what it could replay."""
+
+    calls: int = 0  # aten op calls seen
+    kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    unsupported: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> first reason
+    internal_errors: int = 0
+    passthrough: int = 0  # non-aten ops (profiler markers...), passed through untouched
+    tensors_adopted: int = 0  # storages first seen mid-run, adopted by exact upcast
+    unobserved_writes: int = 0  # storages written behind shadow's back, resynced from the device
+    reinterpreted: int = 0  # reads through a view of another element size, served from the device
+
+    @property
+    def replayed(self) -> int:
+        return self.kinds.get("replayed", 0) + self.kinds.get("decomposed", 0)
+
+    @property
+    def unsupported_calls(self) -> int:
+        return self.kinds.get("unsupported", 0)
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
+        lines = [f"{self.calls} aten calls ({kinds}); {self.passthrough} non-aten passed through"]
+        lines.append(
+            f"{self.tensors_adopted} storages adopted on first sight, {self.unobserved_writes} unobserved writes, "
+            f"{self.internal_errors} internal errors"
+        )
+        lines += [f"  unsupported {op}: {why}" for op, why in sorted(self.unsupported.items())]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(slots=True)
+class Event:
+    """Something that happened between ops (a write shadow did not see)."""
+
+    index: int  # the op call at which it was detected
+    op: str
+    kind: str
+    detail: str
+
+
+class Report:
+    """The results of a ShadowMode run: per-call records, per-op and per-module aggregates, coverage.
+
+    >>> rep = sm.report
+    >>> print(rep.table())            # doctest: +SKIP
+    >>> rep.save("run.json"); shadow.load_report("run.json")  # doctest: +SKIP
+    """
+
+    def __init__(self, *, max_records: int | None = None, meta: dict | None = None):
+        self.max_records = max_records
+        self.meta = dict(meta or {})
+        self.records: list[Record] = []
+        self.dropped_records = 0
+        self.by_op: dict[str, Aggregate] = {}
+        self.by_module: dict[str, Aggregate] = {}
+        self.coverage = Coverage()
+        self.events: list[Event] = []
+
+    def add(self, rec: Record) -> None:
+        self.coverage.calls += 1
+        self.coverage.kinds[rec.kind] = self.coverage.kinds.get(rec.kind, 0) + 1
+        if rec.kind == "unsupported":
+            self.coverage.unsupported.setdefault(rec.op, rec.reason)
+        for table, key in ((self.by_op, rec.op), (self.by_module, rec.module)):
+            agg = table.get(key)
+            if agg is None:
+                agg = table[key] = Aggregate()
+            agg.add(rec)
+        if self.max_records is None or len(self.records) < self.max_records:
+            self.records.append(rec)
+        else:
+            self.dropped_records += 1
+
+    # --- queries ---
+    def first_nonfinite(self) -> Record | None:
+        """The first kept call where device and shadow disagree on NaN/Inf."""
+        return next((r for r in self.records if r.nonfinite or (r.local is not None and r.local.nonfinite)), None)
+
+    def find(self, op: str | None = None, module: str | None = None, phase: str | None = None) -> list[Record]:
+        """Kept records matching every given field (op may be a prefix such as "aten.mm")."""
+        return [
+            r
+            for r in self.records
+            if (op is None or r.op == op or r.op.startswith(op + "."))
+            and (module is None or r.module == module)
+            and (phase is None or r.phase == phase)
+        ]
+
+    def table(self, by: str = "op", top: int | None = None) -> str:
+        """A text table of the aggregates, worst local error first.
+
+        columns: calls, max local ulp, max drift rel_norm, flips, non-finite, unsupported calls."""
+        tables = {"op": self.by_op, "module": self.by_module}
+        if by not in tables:
+            raise ValueError(f"table(by={by!r}): expected one of {sorted(tables)}")
+        rows = sorted(tables[by].items(), key=lambda kv: (-kv[1].max_local_ulp, -kv[1].max_drift_rel, kv[0]))
+        if top is not None:
+            rows = rows[:top]
+        name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
+        head = f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'drift rel':>10}  {'flips':>6}  {'nonfin':>6}  {'unsup':>5}"
+        lines = [head, "-" * len(head)]
+        for key, a in rows:
+            lines.append(
+                f"{key or '(none)':<{name_w}}  {a.calls:>6}  {_fmt(a.max_local_ulp):>10}  {_fmt(a.max_drift_rel):>10}"
+                f"  {a.flips:>6}  {a.nonfinite:>6}  {a.kinds.get('unsupported', 0):>5}"
+            )
+        return "\n".join(lines)
+
+    # --- persistence ---
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "meta": self.meta,
+            "max_records": self.max_records,
+            "dropped_records": self.dropped_records,
+            "records": [r.to_dict() for r in self.records],
+            "by_op": {k: dataclasses.asdict(v) for k, v in self.by_op.items()},
+            "by_module": {k: dataclasses.asdict(v) for k, v in self.by_module.items()},
+            "coverage": dataclasses.asdict(self.coverage),
+            "events": [dataclasses.asdict(e) for e in self.events],
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the report as versioned JSON (non-finite figures as the strings "inf"/"nan")."""
+        with open(path, "w") as f:
+            json.dump(_encode(self.to_dict()), f, indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Report:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ReportFormatError(f"not a shadow report: expected format {FORMAT!r}, got {d.get('format')!r}"
+                                    if isinstance(d, dict) else "not a shadow report: expected a JSON object")
+        if d.get("version") != VERSION:
+            raise ReportFormatError(
+                f"shadow report version {d.get('version')!r} cannot be read by this shadow (reads version {VERSION}); "
+                "load it with the shadow release that wrote it"
+            )
+        rep = cls(max_records=d["max_records"], meta=d["meta"])
+        rep.dropped_records = d["dropped_records"]
+        rep.records = [Record.from_dict(r) for r in d["records"]]
+        rep.by_op = {k: Aggregate(**_numbers(v)) for k, v in d["by_op"].items()}
+        rep.by_module = {k: Aggregate(**_numbers(v)) for k, v in d["by_module"].items()}
+        rep.coverage = Coverage(**d["coverage"])
+        rep.events = [Event(**e) for e in d["events"]]
+        return rep
+
+
+def load_report(path: str | os.PathLike) -> Report:
+    """Read a report written by ``Report.save``; checks its format name and version.
+
+    >>> rep = shadow.load_report("run.json")  # doctest: +SKIP
+    """
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ReportFormatError(f"{path}: not JSON ({exc})") from exc
+    return Report.from_dict(d)
+
+
+def _fmt(x: float) -> str:
+    if x == 0:
+        return "0"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def _encode(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return repr(x)  # "inf", "-inf", "nan": JSON has no literal for them
+    if isinstance(x, dict):
+        return {k: _encode(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_encode(v) for v in x]
+    return x
+
+
+def _number(x: Any) -> Any:
+    return float(x) if isinstance(x, str) else x  # "inf"/"nan" written by _encode
+
+
+def _numbers(d: dict) -> dict:
+    return {k: _number(v) for k, v in d.items()}
+
+
+def merged(stats: Iterable[ErrorStats | None]) -> ErrorStats | None:
+    """Merge the stats of several outputs into one (None if there are none)."""
+    out = None
+    for s in stats:
+        if s is None:
+            continue
+        if out is None:
+            out = ErrorStats()
+        out.merge(s)
+    return out

@@ -1,0 +1,132 @@
+"""Per-op plans read once from the aten schema, so the per-op path walks arguments without pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+class ArgKind(enum.Enum):
+    TENSOR = "Tensor"  # Tensor or Tensor?
+    TENSORS = "Tensor[]"  # Tensor[] (foreach lists)
+    OPT_TENSORS = "Tensor?[]"  # Tensor?[] (index, index_put)
+    REMAP = "remap"  # a dtype or device candidate: rewritten for the float64 CPU replay
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArgSpec:
+    index: int
+    name: str
+    kind: ArgKind
+    write: bool
+    kwarg_only: bool
+
+    def get(self, args: tuple | list, kwargs: dict) -> Any:
+        if not self.kwarg_only and self.index < len(args):
+            return args[self.index]
+        return kwargs.get(self.name)
+
+    def put(self, args: list, kwargs: dict, value: Any) -> None:
+        if not self.kwarg_only and self.index < len(args):
+            args[self.index] = value
+        elif self.name in kwargs:
+            kwargs[self.name] = value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReturnSpec:
+    tensors: bool  # Tensor[] rather than Tensor
+    is_tensor: bool
+    aliases_write: bool  # returns a written argument (in-place, out=): not a fresh output
+    aliases_read: bool  # a view of an argument
+
+
+# Kernels that mutate arguments their schema does not mark as written (DESIGN.md: native_batch_norm's running stats).
+UNDECLARED_WRITES: dict[torch._ops.OpOverload, tuple[int, ...]] = {
+    aten.native_batch_norm.default: (3, 4),
+}
+for _name in ("cudnn_batch_norm", "miopen_batch_norm"):
+    if hasattr(aten, _name):
+        UNDECLARED_WRITES[getattr(aten, _name).default] = (3, 4)
+
+_TENSOR_TYPES = {
+    "Tensor": ArgKind.TENSOR,
+    "Optional[Tensor]": ArgKind.TENSOR,
+    "List[Tensor]": ArgKind.TENSORS,
+    "List[Optional[Tensor]]": ArgKind.OPT_TENSORS,
+}
+# dtype arguments are typed int in the schema, devices Device: candidates, checked by value at run time.
+_REMAP_TYPES = {"int", "Optional[int]", "Device", "Optional[Device]"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpPlan:
+    func: torch._ops.OpOverload
+    name: str  # "aten.addmm.default"
+    tensor_args: tuple[ArgSpec, ...]
+    remap_args: tuple[ArgSpec, ...]
+    returns: tuple[ReturnSpec, ...]
+    tags: frozenset
+    writes: tuple[ArgSpec, ...]  # declared and undeclared written tensor arguments
+    declared_writes: frozenset[int]  # the ones that bump the version counter
+    is_view: bool  # only returns aliases of its inputs and writes nothing: no value to replay
+
+
+def build_plan(func: torch._ops.OpOverload) -> OpPlan:
+    schema = func._schema
+    undeclared = UNDECLARED_WRITES.get(func, ())
+    tensor_args, remap_args = [], []
+    for i, a in enumerate(schema.arguments):
+        type_name = str(a.type)
+        write = bool(a.alias_info is not None and a.alias_info.is_write) or i in undeclared
+        kind = _TENSOR_TYPES.get(type_name)
+        if kind is not None:
+            tensor_args.append(ArgSpec(i, a.name, kind, write, a.kwarg_only))
+        elif type_name in _REMAP_TYPES or a.name in ("pin_memory", "half_to_float"):
+            remap_args.append(ArgSpec(i, a.name, ArgKind.REMAP, False, a.kwarg_only))
+    returns = []
+    for r in schema.returns:
+        type_name = str(r.type)
+        kind = _TENSOR_TYPES.get(type_name)
+        alias = r.alias_info
+        returns.append(
+            ReturnSpec(
+                tensors=kind is ArgKind.TENSORS,
+                is_tensor=kind is not None,
+                aliases_write=bool(alias is not None and alias.is_write),
+                aliases_read=bool(alias is not None and not alias.is_write),
+            )
+        )
+    tensor_args = tuple(tensor_args)
+    returns = tuple(returns)
+    writes = tuple(a for a in tensor_args if a.write)
+    return OpPlan(
+        func=func,
+        name=f"{func.namespace}.{func._schema.name.split('::')[-1]}.{func._overloadname}",
+        tensor_args=tensor_args,
+        remap_args=tuple(remap_args),
+        returns=returns,
+        tags=frozenset(func.tags),
+        writes=writes,
+        declared_writes=frozenset(a.index for a in writes if a.index not in undeclared),
+        is_view=bool(returns) and all(r.aliases_read for r in returns if r.is_tensor) and not writes,
+    )
+
+
+def flat_returns(plan: OpPlan, out: Any) -> list[tuple[ReturnSpec, Any]]:
+    """The op's returned values, one per tensor (lists expanded), each with its return spec."""
+    if not plan.returns:
+        return []
+    values = (out,) if len(plan.returns) == 1 else tuple(out)
+    flat = []
+    for spec, v in zip(plan.returns, values):
+        if spec.tensors:
+            flat.extend((spec, t) for t in v)
+        else:
+            flat.append((spec, v))
+    return flat
