@@ -22,6 +22,10 @@ from .schema import ArgKind, OpPlan, build_plan, flat_returns
 _no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
 
 
+class _NoValues(Exception):
+    """The call runs on meta tensors: shapes only, no values to shadow."""
+
+
 class _Call:
     """What ``prepare`` built before the device op ran."""
 
@@ -50,23 +54,31 @@ class Engine:
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        if func.namespace != "aten":
-            self.report.coverage.passthrough += 1
-            return func(*args, **kwargs)
         entry = self._plans.get(func)
         if entry is None:
             entry = self._plans[func] = self._plan(func)
-        if entry is None:  # shadow cannot even read this op's schema
+        if entry is None:  # no tensor in or out (profiler markers...), or a schema shadow cannot read
+            self.report.coverage.passthrough += 1
             return func(*args, **kwargs)
         plan, chain = entry
         if chain[0] is view_rule:  # aliases and metadata: nothing to compute, nothing to compare
             out = func(*args, **kwargs)
+            try:
+                with _no_dispatch():
+                    self._see(plan, args, kwargs)
+            except Exception as exc:
+                self._internal_error(plan, args, kwargs, out, exc)
+                return out
             self._record(plan, Kind.VIEW, args, kwargs)
             return out
         call = error = None
         try:
             with _no_dispatch():
                 call = self._prepare(plan, chain, args, kwargs)
+        except _NoValues:
+            out = func(*args, **kwargs)
+            self._record(plan, Kind.META, args, kwargs)
+            return out
         except Exception as exc:  # never raise into the user's program
             error = exc
         out = func(*args, **kwargs)
@@ -82,11 +94,22 @@ class Engine:
     def _plan(self, func) -> tuple[OpPlan, tuple] | None:
         try:
             plan = build_plan(func)
+            if not plan.tensor_args and not any(r.is_tensor for r in plan.returns):
+                return None
             return plan, rule_chain(plan)
         except Exception as exc:  # never raise into the user's program
             self.report.coverage.internal_errors += 1
             self.report.coverage.unsupported.setdefault(str(func), f"internal error reading the schema: {exc}")
             return None
+
+    def _see(self, plan: OpPlan, args, kwargs) -> None:
+        """A view's input storage gets its shadow now (adopted if new), so the view's shadow exists."""
+        m = self.mirror
+        for spec in plan.tensor_args:
+            t = spec.get(args, kwargs)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and m.shadow_dtype(t.dtype) is not None \
+                    and not t._is_zerotensor():
+                m.entry(t)
 
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> _Call:
@@ -118,6 +141,8 @@ class Engine:
     def _shadow_arg(self, call: _Call, t: Any, write: bool, declared: bool) -> Any:
         if not isinstance(t, torch.Tensor):  # a Python scalar in a Tensor slot
             return t
+        if t.device.type == "meta":
+            raise _NoValues
         sd = self.mirror.shadow_dtype(t.dtype)
         if sd is None:  # discrete, following the device: its values, never written back
             c = t.to("cpu")
@@ -201,27 +226,23 @@ class Engine:
                 if isinstance(d, torch.Tensor):
                     f = self._output(call, d, s, l, False, drifts, locals_)
                     flips += f[0]; lflips += f[1]; mismatch += f[2]  # noqa: E702
-                elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):
+                elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):  # .item(), equal
                     item = (d, s)
-                    if isinstance(d, float):
-                        dtype = next((t.dtype for t in call.inputs), torch.float64)
-                        drifts.append(compare(torch.tensor(d, dtype=torch.float64),
-                                              torch.tensor(float(s), dtype=torch.float64), dtype))
-                    elif d != s:
-                        flips += 1
+                    dtype = next((t.dtype for t in call.inputs), torch.float64)
+                    f = self._output(call, _scalar(d, dtype), _scalar(s, dtype),
+                                     None if l is None else _scalar(l, dtype), False, drifts, locals_, keep=False,
+                                     dtype=dtype)
+                    flips += f[0]; lflips += f[1]  # noqa: E702
         drift = merged(drifts) if self.opt.drift else None
-        if not self.opt.local:
-            local = None
-        elif louts is None:
-            local = drift  # every input exact: the replay on the device's inputs is the shadow replay
-        else:
-            local = merged(locals_)
+        local = merged(locals_) if self.opt.local else None
         self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
                      mismatch=mismatch, item=item, inputs=call.inputs)
 
     def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool,
-                drifts: list, locals_: list) -> tuple[int, int, int]:
-        """Compare one device output with its shadow (and local) value and keep the shadow."""
+                drifts: list, locals_: list, keep: bool = True, dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+        """Compare one device output with its shadow (and local) value and keep the shadow (``keep``).
+        ``dtype``: the device dtype the error is measured in (default: dev's own)."""
+        dtype = dtype or dev.dtype
         m = self.mirror
         sd = m.shadow_dtype(dev.dtype)
         if not isinstance(sh, torch.Tensor) or dev._is_zerotensor():
@@ -233,7 +254,7 @@ class Engine:
         if shadow_dtype_of(dev.dtype) is None:  # discrete result
             flips = count_flips(dev, sh)
             lflips = count_flips(dev, lo) if isinstance(lo, torch.Tensor) and lo.shape == dev.shape else 0
-            if sd is not None:  # follow="reference": the shadow keeps its own discrete result
+            if sd is not None and keep:  # follow="reference": the shadow keeps its own discrete result
                 sh = sh.to(sd)
                 if written:
                     m.commit_write(dev, sh, exact=flips == 0)
@@ -242,12 +263,16 @@ class Engine:
             return flips, lflips, 0
         if sh.dtype != sd:
             sh = sh.to(sd)
-        drift = compare(dev, sh, dev.dtype) if self.opt.drift else None
-        if drift is not None:
-            drifts.append(drift)
-        if isinstance(lo, torch.Tensor):
-            locals_.append(compare(dev, lo, dev.dtype) if lo.shape == dev.shape else ErrorStats())
-        exact = drift is not None and drift.exact
+        has_local = isinstance(lo, torch.Tensor)
+        # with every input exact (no local replay), the shadow comparison is the local error too
+        st = compare(dev, sh, dtype) if self.opt.drift or (self.opt.local and not has_local) else None
+        if self.opt.drift:
+            drifts.append(st)
+        if self.opt.local:
+            locals_.append((compare(dev, lo, dtype) if lo.shape == dev.shape else ErrorStats()) if has_local else st)
+        exact = st is not None and st.exact
+        if not keep:
+            return 0, 0, 0
         if written:
             m.commit_write(dev, sh, exact)
         else:
@@ -299,6 +324,13 @@ class Engine:
                 raise KeyError("shadow_of: this tensor's storage was never seen by this ShadowMode "
                                "(create or use it inside the `with ShadowMode()` block)")
             return v.clone()
+
+
+def _scalar(v: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A Python number returned by an op (.item(), equal) as a 0-d tensor: float64 for floats."""
+    if isinstance(v, float) or dtype.is_floating_point and not isinstance(v, bool):
+        return torch.tensor(float(v), dtype=torch.float64)
+    return torch.tensor(v)
 
 
 def _remap(name: str, v: Any) -> Any:

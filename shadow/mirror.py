@@ -102,7 +102,13 @@ class Mirror:
         base = flat.to(device="cpu", dtype=self.shadow_dtype(t.dtype), copy=True)
         if old is None:
             self.adopted += 1
-        e = _Entry(st, base, itemsize, exact=True, writes=old.writes if old is not None else 0)
+        elif old.itemsize == itemsize and old.nbytes < st.nbytes():
+            # the storage grew in place (resize_, out= resizing): its old contents are kept, so is their shadow
+            base[: old.base.numel()] = old.base
+            return self._keep(st, _Entry(st, base, itemsize, exact=old.exact, writes=old.writes))
+        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes if old is not None else 0))
+
+    def _keep(self, st: torch.UntypedStorage, e: _Entry) -> _Entry:
         self._put(st._cdata, e)
         return e
 
@@ -199,10 +205,9 @@ class Mirror:
     def lookup(self, t: torch.Tensor) -> torch.Tensor | None:
         """The current shadow of t, or None if t's storage was never seen."""
         st = t.untyped_storage()
-        e = self._entries.get(st._cdata)
-        if e is None or e.nbytes != st.nbytes():
+        if st._cdata not in self._entries:
             return None
-        return self.view(t, e)
+        return self.view(t, self.entry(t))  # entry() follows a storage resized since it was last seen
 
     def shadow_bytes(self) -> int:
         return sum(e.base.numel() * e.base.element_size() for e in self._entries.values() if not e.wref.expired())

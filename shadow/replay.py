@@ -25,6 +25,7 @@ class Kind(str, enum.Enum):
     REPLAYED = "replayed"  # recomputed in float64 by the op's own CPU kernel
     DECOMPOSED = "decomposed"  # recomputed through its decomposition (no float64 CPU kernel)
     VIEW = "view"  # an alias or metadata change: no value to recompute
+    META = "meta"  # computed on meta tensors (shapes only): no values exist
     RANDOM = "random"  # random values adopted from the device, never replayed
     ADOPTED = "adopted"  # uninitialized memory (empty*): the device's bytes adopted
     UNSUPPORTED = "unsupported"  # could not be replayed: device result adopted, reason recorded

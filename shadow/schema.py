@@ -114,7 +114,8 @@ def build_plan(func: torch._ops.OpOverload) -> OpPlan:
         tags=frozenset(func.tags),
         writes=writes,
         declared_writes=frozenset(a.index for a in writes if a.index not in undeclared),
-        is_view=bool(returns) and all(r.aliases_read for r in returns if r.is_tensor) and not writes,
+        is_view=any(r.is_tensor for r in returns) and all(r.aliases_read for r in returns if r.is_tensor)
+        and not writes,
     )
 
 

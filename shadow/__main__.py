@@ -1,0 +1,6 @@
+"""``python -m shadow``: the command line (see shadow/cli.py)."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

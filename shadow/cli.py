@@ -1,0 +1,176 @@
+"""The ``shadow`` command line: ``python -m shadow demo`` (``doctor`` and ``run`` come later).
+
+The CLI is the one place that prints; library code returns objects and leaves rendering to its caller.
+Each subcommand is a function registered with ``@command``; ``main`` builds the parser from that table.
+
+>>> main(["demo", "--steps", "1"])   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]  # returns the exit status
+    arguments: Callable[[argparse.ArgumentParser], None]  # adds the subcommand's own arguments
+
+
+_COMMANDS: dict[str, _Command] = {}
+
+
+def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Register ``run(args) -> int`` as the subcommand ``name``; ``arguments(parser)`` adds its options.
+
+    >>> @command("hello", "say hello")
+    ... def _hello(args): print("hello"); return 0      # doctest: +SKIP
+    """
+
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        if name in _COMMANDS:
+            raise ValueError(f"shadow command {name!r} is already registered (by {_COMMANDS[name].run.__qualname__})")
+        _COMMANDS[name] = _Command(name, help, run, arguments or (lambda parser: None))
+        return run
+
+    return register
+
+
+def available_devices() -> list[str]:
+    """The device types torch can use on this machine, best first (cpu always last)."""
+    found = []
+    if torch.cuda.is_available():
+        found.append("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    return found + ["cpu"]
+
+
+def best_device() -> torch.device:
+    """cuda if available, else mps, else cpu (a later ``shadow.devices`` takes this over)."""
+    return torch.device(available_devices()[0])
+
+
+# --- argument types: errors name what was expected and what came ---
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+# --- demo ---
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the model runs (default: auto = cuda, else mps, else cpu)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the model's dtype (default: float32)")
+    p.add_argument("--steps", type=_positive_int, default=2, help="optimizer steps to shadow (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for weights and data (default: 0)")
+    p.add_argument("--top", type=_positive_int, default=None, help="show only the N worst ops in the table")
+    p.add_argument("--save", metavar="PATH", default=None, help="also write the report as JSON to PATH")
+
+
+@command("demo", "shadow a small model's training step (Linear layers, Adam) and print the per-op table",
+         _demo_arguments)
+def _demo(args: argparse.Namespace) -> int:
+    from .modes import ShadowMode
+
+    devices = available_devices()
+    if args.device == "auto":
+        device = best_device()
+    elif args.device in devices:
+        device = torch.device(args.device)
+    else:
+        return _fail(f"demo: --device {args.device} is not available on this machine; available: "
+                     f"{', '.join(devices)} (or --device auto)")
+    dtype = DTYPES[args.dtype]
+    if dtype == torch.float64 and device.type == "mps":
+        return _fail("demo: --dtype float64 is not supported on mps; use float32, bfloat16 or float16")
+
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
+    ).to(device=device, dtype=dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(128, 64, device=device, dtype=dtype)
+    y = torch.randint(0, 10, (128,), device=device)
+
+    losses = []
+    with ShadowMode() as sm:
+        for _ in range(args.steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+    rep = sm.report
+
+    print(f"shadow demo: MLP 64-256-256-10, Adam, {args.steps} step(s) on {device} {args.dtype} "
+          f"(torch {torch.__version__}); errors against a float64 replay on the CPU")
+    print()
+    print(rep.table(top=args.top))
+    print()
+    print("coverage:", rep.coverage)
+    for i, loss in enumerate(losses):
+        dev, ref = loss.item(), sm.shadow_of(loss).item()
+        print(f"loss step {i + 1}: device {dev:.9g}  shadow {ref:.17g}  rel diff {abs(dev - ref) / abs(ref):.3g}")
+    worst = max(((p, sm.shadow_of(p)) for p in model.parameters()),
+                key=lambda ps: _rel_diff(ps[0], ps[1]))
+    print(f"parameters after the last step: max rel_norm(device - shadow) {_rel_diff(*worst):.3g}")
+    if args.save:
+        rep.save(args.save)
+        print(f"report saved to {args.save}")
+    return 0
+
+
+def _rel_diff(p: torch.Tensor, s: torch.Tensor) -> float:
+    d = p.detach().to("cpu", torch.float64) - s
+    return (torch.linalg.vector_norm(d) / torch.linalg.vector_norm(s).clamp_min(torch.finfo(torch.float64).tiny)).item()
+
+
+def _fail(message: str) -> int:
+    print(f"shadow: error: {message}", file=sys.stderr)
+    return 2
+
+
+# --- entry point ---
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shadow",
+        description="Replay a PyTorch program op by op in float64 and report each op's error.",
+        epilog="run 'shadow COMMAND --help' for a command's options",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for cmd in _COMMANDS.values():
+        cmd.arguments(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a usage error, as argparse does)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a message on bad arguments
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return _COMMANDS[args.command].run(args)
+    except BrokenPipeError:  # output piped into `head`: stop quietly, as other command-line tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail
+        return 1

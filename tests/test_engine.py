@@ -1,0 +1,410 @@
+"""The engine's contracts, one trap of DESIGN.md per test: aliasing, mutation, randomness, discrete results,
+non-finite values, unsupported ops, unobserved writes, options and the saved report."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shadow
+from shadow import ShadowMode, ShadowOptionError
+
+aten = torch.ops.aten
+f64 = torch.float64
+
+
+def same(sm, t):
+    """The shadow of t equals t exactly (float64 'device': the shadow is an identity check)."""
+    s = sm.shadow_of(t)
+    return torch.equal(s, t.to(s.dtype)) or bool(((s == t) | (s.isnan() & t.isnan())).all())
+
+
+def records(sm, op):
+    return [r for r in sm.report.records if r.op == op]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+# --- aliasing and mutation ---
+def test_views_transposes_and_inplace_through_views():
+    x = torch.randn(4, 4, dtype=f64)
+    with ShadowMode() as sm:
+        y = x.t()
+        y[1].mul_(3.0)  # writes column 1 of x through a transposed view
+        z = x.view(16)[3:7]
+        z.add_(1.0)
+        w = x.sum()
+    assert same(sm, x) and same(sm, y) and same(sm, z) and same(sm, w)
+    assert {r.kind for r in sm.report.records if r.op in ("aten.t.default", "aten.select.int")} == {"view"}
+    assert sm.report.coverage.internal_errors == 0
+
+
+def test_out_reallocates_storage():
+    x = torch.randn(3, 4, dtype=f64)
+    out = torch.empty(0, dtype=f64)
+    with ShadowMode() as sm:
+        torch.add(x, 1.5, out=out)  # out is resized from 0 elements: a new allocation
+        torch.mul(out, 3.0, out=out)
+    assert out.shape == (3, 4) and same(sm, out)
+    # each out= op has an exact drift of 0 (float64 device) and its figures cover all 12 elements
+    assert [r.drift.n for r in sm.report.records] == [12, 12]
+
+
+def test_set_and_resize():
+    a, b = torch.randn(5, dtype=f64), torch.randn(7, dtype=f64)
+    with ShadowMode() as sm:
+        c = a * 2.0
+        c.set_(b)  # c now aliases b's storage
+        c.mul_(2.0)
+        d = torch.ones(2, dtype=f64) * 3.0
+        d.resize_(10)  # grows: the first 2 values are kept, the rest is uninitialized
+        d[:2].add_(1.0)
+    assert same(sm, c) and same(sm, b) and torch.equal(sm.shadow_of(d)[:2], torch.tensor([4.0, 4.0], dtype=f64))
+    assert same(sm, d)  # the uninitialized tail is the device's own bytes
+
+
+def test_fp32_resize_keeps_the_shadow_of_existing_values():
+    x = torch.tensor([1.0, 3.0])
+    with ShadowMode() as sm:
+        y = x / 3.0  # 1/3 is not representable in fp32: the shadow keeps the exact float64 quotient
+        y.resize_(6)
+    assert sm.shadow_of(y)[:2].tolist() == [1.0 / 3.0, 1.0]
+
+
+def test_zero_size_tensors():
+    with ShadowMode() as sm:
+        e = torch.randn(0, 3, dtype=f64) * 2.0
+        s = e.sum(0)
+    assert sm.shadow_of(e).shape == (0, 3) and same(sm, s)
+    assert sm.report.coverage.internal_errors == 0
+
+
+def test_self_overlapping_output():
+    g = torch.empty_strided((4, 3), (0, 1), dtype=f64)  # 4 rows on one row of memory
+    with ShadowMode() as sm:
+        g.fill_(2.0)
+        h = g * 1.5
+    assert same(sm, g) and same(sm, h)
+    assert sm.shadow_of(h).sum().item() == 36.0  # 12 elements of 3.0
+
+
+def test_efficientzerotensor():
+    x = torch.randn(3, dtype=f64, requires_grad=True)
+    with ShadowMode() as sm:
+        z = torch._efficientzerotensor(3, dtype=f64)
+        y = x * 2.0 + z
+        y.sum().backward()
+    assert same(sm, y) and same(sm, x.grad)
+    assert sm.report.coverage.internal_errors == 0
+
+
+def test_batch_norm_running_stats_mutated_without_declaring_it():
+    bn = torch.nn.BatchNorm1d(3).double()
+    x = torch.randn(8, 3, dtype=f64) * 3 + 1
+    with ShadowMode() as sm:
+        bn(x)
+        bn(x * 2)
+    assert same(sm, bn.running_mean) and same(sm, bn.running_var)
+    assert bn.running_mean.abs().sum() > 0  # the stats did move
+
+
+def test_batch_norm_running_stats_drift_in_fp32():
+    bn = torch.nn.BatchNorm1d(3)
+    x = torch.randn(8, 3) * 3 + 1
+    with ShadowMode() as sm:
+        bn(x)
+    exact = (0.9 * torch.zeros(3, dtype=f64) + 0.1 * x.double().mean(0))
+    assert torch.allclose(sm.shadow_of(bn.running_mean), exact, rtol=1e-15, atol=1e-17)
+    rec = records(sm, "aten.native_batch_norm.default")[0]
+    assert 0 < rec.drift.max_ulp < 8  # outputs and running stats compared: fp32 rounding, a few ulps
+
+
+# --- first sight, randomness ---
+def test_tensors_first_seen_are_adopted_exactly_and_counted():
+    w = torch.randn(3, 3)  # created before the mode: adopted by exact upcast on first use
+    with ShadowMode() as sm:
+        y = w @ w
+    assert torch.equal(sm.shadow_of(w), w.double())
+    assert sm.report.coverage.tensors_adopted == 1
+
+
+def test_random_ops_are_adopted_and_rng_untouched():
+    def program():
+        return torch.rand(3), torch.randn(2), torch.bernoulli(torch.full((5,), 0.3)), torch.nn.init.normal_(torch.empty(4))
+
+    torch.manual_seed(1)
+    expected = program() + (torch.rand(1),)
+    torch.manual_seed(1)
+    with ShadowMode() as sm:
+        got = program()
+    got += (torch.rand(1),)  # shadow consumed no random number: the stream continues where it would have
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    for b in got[:4]:
+        assert torch.equal(sm.shadow_of(b), b.double())
+    kinds = {r.op: r.kind for r in sm.report.records}
+    assert {kinds[op] for op in ("aten.rand.default", "aten.randn.default", "aten.bernoulli.default",
+                                 "aten.normal_.default")} == {"random"}
+
+
+def test_dropout_mask_adopted_and_upstream_drift_survives():
+    x = torch.randn(1000)
+    with ShadowMode() as sm:
+        y = x * 1.1  # fp32 rounding: drift starts here
+        z = F.dropout(y, 0.5, training=True)
+    mask = z != 0
+    exact = (x.double() * 1.1) * mask * 2.0
+    assert torch.equal(sm.shadow_of(z), exact)  # the shadow's y (not the device's) flows through the mask
+    assert records(sm, "aten.mul.Tensor")[-1].drift.max_abs > 0
+
+
+def test_sdpa_with_dropout_zero_is_replayed():
+    q = torch.randn(2, 4, 8, 16, dtype=f64)
+    with ShadowMode() as sm:
+        o = F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+    assert same(sm, o)
+    kinds = {r.op: r.kind for r in sm.report.records}
+    assert "random" not in kinds.values(), kinds
+
+
+# --- discrete results, .item(), non-finite ---
+def test_discrete_results_flips_and_follow():
+    # fp32 rounding flips an argmax: a = 1 + 2^-24 rounds to 1.0 on the device, the shadow keeps it above 1
+    a = torch.tensor([1.0, 2.0**-24])
+    for follow, expected_idx in (("device", 0), ("reference", 1)):
+        with ShadowMode(follow=follow) as sm:
+            s = torch.stack([torch.ones(1), a[0:1] + a[1:2]]).squeeze(1)  # [1, 1 + 2^-24]
+            i = torch.argmax(s)
+            picked = torch.index_select(torch.tensor([10.0, 20.0]), 0, i.reshape(1))
+        rec = records(sm, "aten.argmax.default")[0]
+        assert rec.flips == 1  # device says 0 (a tie, first wins), shadow says 1
+        assert i.item() == 0
+        assert sm.shadow_of(picked).item() == [10.0, 20.0][expected_idx]
+
+
+def test_item_records_device_and_shadow_values():
+    x = torch.full((10,), 0.1)
+    with ShadowMode() as sm:
+        v = x.sum().item()
+    rec = records(sm, "aten._local_scalar_dense.default")[0]
+    assert rec.item[0] == v and rec.item[1] == pytest.approx(10 * float(torch.tensor(0.1)), rel=1e-15)
+    assert rec.drift.max_ulp > 0  # the fp32 sum of ten 0.1f is not the exact sum
+
+
+def test_nonfinite_counted_and_first_one_found():
+    with ShadowMode() as sm:
+        big = torch.tensor([3e38, 1.0])
+        y = big * 10.0  # device overflows to inf, the float64 shadow does not
+        z = y * 0.0  # device inf*0 = nan, shadow 0
+    first = sm.report.first_nonfinite()
+    assert first.op == "aten.mul.Tensor" and first.drift.nonfinite_device == 1 and first.drift.n == 2
+    assert records(sm, "aten.mul.Tensor")[1].drift.nonfinite_device == 1
+    assert sm.report.by_op["aten.mul.Tensor"].nonfinite >= 2
+
+
+# --- cannot replay, internal errors ---
+def test_unsupported_op_adopted_and_run_goes_on(monkeypatch):
+    from shadow import replay
+
+    def broken(r):
+        raise replay.Unsupported(r.plan.name, "no float64 kernel (test)")
+
+    monkeypatch.setitem(replay._EXACT, aten.sin.default, broken)
+    x = torch.randn(5)
+    with ShadowMode() as sm:
+        y = torch.sin(x)
+        z = y * 2.0
+    assert torch.equal(z, torch.sin(x) * 2.0)
+    rec = records(sm, "aten.sin.default")[0]
+    assert rec.kind == "unsupported" and "no float64 kernel" in rec.reason
+    assert torch.equal(sm.shadow_of(y), y.double())  # device result adopted
+    assert sm.report.coverage.unsupported == {"aten.sin.default": rec.reason}
+
+
+def test_internal_error_never_reaches_the_program(monkeypatch):
+    from shadow import engine
+
+    def boom(*a, **k):
+        raise RuntimeError("shadow bug")
+
+    monkeypatch.setattr(engine, "compare", boom)
+    x = torch.randn(4)
+    with ShadowMode() as sm:
+        y = (x * 2.0).exp()
+    assert torch.equal(y, (x * 2.0).exp())
+    assert sm.report.coverage.internal_errors == 2
+    assert all("internal error: RuntimeError: shadow bug" in r.reason for r in sm.report.records)
+
+
+def test_device_errors_propagate_unchanged():
+    a, b = torch.randn(2, 3), torch.randn(4, 5)
+    with pytest.raises(RuntimeError) as native:
+        a @ b
+    with ShadowMode() as sm, pytest.raises(RuntimeError) as shadowed:
+        a @ b
+    assert str(shadowed.value) == str(native.value)
+    assert sm.report.coverage.internal_errors == 0
+
+
+def test_decomposition_replays_kernels_without_a_float64_cpu_kernel(monkeypatch):
+    # a device-only kernel, as DirectML/CUDA have: its CPU kernel refuses float64, its decomposition works
+    from torch._decomp import decomposition_table
+
+    lib = torch.library.Library("shadowtest", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+
+    def kernel(x):
+        if x.dtype == torch.float64:
+            raise RuntimeError("twice: no float64 kernel")
+        return x * 2
+
+    lib.impl("twice", kernel, "CPU")
+    op = torch.ops.shadowtest.twice.default
+    x = torch.randn(5)
+    with ShadowMode() as sm:
+        y = op(x)
+    rec = sm.report.records[-1]
+    assert rec.op == "shadowtest.twice.default" and rec.kind == "unsupported" and "no float64 kernel" in rec.reason
+    assert torch.equal(sm.shadow_of(y), y.double())
+    monkeypatch.setitem(decomposition_table, op, lambda x: x * 2)
+    with ShadowMode() as sm:
+        y = op(x)
+    assert [r.kind for r in sm.report.records if r.op == "shadowtest.twice.default"] == ["decomposed"]
+    assert torch.equal(sm.shadow_of(y), x.double() * 2)
+
+
+# --- writes behind shadow's back ---
+def test_unobserved_write_detected_and_resynced():
+    sm = ShadowMode()
+    t = torch.randn(4, dtype=f64)
+    with sm:
+        u = t * 2.0
+    u.add_(1.0)  # outside the mode: shadow does not see it
+    with sm:
+        v = u + t
+    assert same(sm, v)
+    assert sm.report.coverage.unobserved_writes == 1
+    ev = sm.report.events[0]
+    assert ev.kind == "unobserved_write" and ev.op == "aten.add.Tensor"
+
+
+def test_no_false_unobserved_writes_in_a_training_step():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    with ShadowMode() as sm:
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(5, 4)).square().mean().backward()
+            opt.step()
+    assert sm.report.coverage.unobserved_writes == 0
+
+
+# --- attribution ---
+def test_modules_and_phases():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(m.parameters(), foreach=False)
+    with ShadowMode() as sm:
+        m(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    addmm = records(sm, "aten.addmm.default")
+    assert [(r.module, r.phase) for r in addmm] == [("Sequential.0", "forward"), ("Sequential.2", "forward")]
+    assert {r.phase for r in records(sm, "aten.mm.default")} == {"backward"}
+    opt_mods = {r.module for r in sm.report.find(phase="optimizer")}
+    assert {"Sequential.0.weight", "Sequential.2.bias"} <= opt_mods
+
+
+# --- options and report ---
+def test_options_are_validated_with_the_valid_values():
+    with pytest.raises(ShadowOptionError, match="follow='dev'.*'device', 'reference'"):
+        ShadowMode(follow="dev")
+    with pytest.raises(ShadowOptionError, match="max_records"):
+        ShadowMode(max_records=-1)
+    with pytest.raises(ShadowOptionError, match="local"):
+        ShadowMode(local="yes")
+    with pytest.raises(TypeError):
+        ShadowMode(True)  # keyword-only
+
+
+def test_local_and_drift_switches():
+    x = torch.randn(64)
+    with ShadowMode(local=False) as sm:
+        y = (x * 1.1).exp()
+    assert all(r.local is None and r.drift is not None for r in sm.report.records)
+    with ShadowMode(drift=False) as sm:
+        y = (x * 1.1).exp()
+    assert all(r.drift is None and r.local is not None for r in sm.report.records)
+    # without drift shadow cannot know inputs are exact, so exp's local error comes from its own replay
+    assert records(sm, "aten.exp.default")[0].local.max_ulp <= 1.0
+
+
+def test_local_error_is_the_ops_own_not_the_drift():
+    x = torch.arange(1.0, 101.0)
+    with ShadowMode() as sm:
+        s = x / 3.0  # fp32 rounds most quotients; the shadow keeps them to float64
+        t = s * 2.0  # doubling is exact on the device's own input: local 0, drift inherited
+    rec = records(sm, "aten.mul.Tensor")[0]
+    div = records(sm, "aten.div.Tensor")[0]
+    assert rec.local.max_abs == 0.0 and rec.drift.max_ulp == div.drift.max_ulp > 0.25
+
+
+def test_max_records_caps_records_not_aggregates():
+    with ShadowMode(max_records=3) as sm:
+        x = torch.ones(3)
+        for _ in range(10):
+            x = x * 1.5
+    assert len(sm.report.records) == 3 and sm.report.dropped_records == 8
+    assert sm.report.by_op["aten.mul.Tensor"].calls == 10
+
+
+def test_report_table_and_save_load_roundtrip(tmp_path):
+    with ShadowMode() as sm:
+        y = torch.tensor([3e38]) * 10.0  # an inf in the report survives the JSON round trip
+        z = torch.randn(8, 8) @ torch.randn(8, 8)
+    text = sm.report.table()
+    assert text.splitlines()[0].split()[:4] == ["op", "calls", "local", "ulp"]
+    assert "aten.mm.default" in text
+    with pytest.raises(ValueError, match="expected one of"):
+        sm.report.table(by="colour")
+    path = tmp_path / "run.json"
+    sm.report.save(path)
+    back = shadow.load_report(path)
+    assert [r.to_dict() for r in back.records] == [r.to_dict() for r in sm.report.records]
+    assert back.coverage == sm.report.coverage
+    assert back.table() == text
+    data = path.read_text()
+    path.write_text(data.replace('"version": 1', '"version": 99'))
+    with pytest.raises(shadow.ReportFormatError, match="version 99"):
+        shadow.load_report(path)
+    path.write_text('{"format": "other"}')
+    with pytest.raises(shadow.ReportFormatError, match="not a shadow report"):
+        shadow.load_report(path)
+
+
+def test_shadow_of_errors_are_clear():
+    with ShadowMode() as sm:
+        y = torch.ones(2) * 2
+    with pytest.raises(KeyError, match="never seen"):
+        sm.shadow_of(torch.ones(2))
+    with pytest.raises(TypeError, match="not shadowed"):
+        sm.shadow_of(torch.ones(2, dtype=torch.int64))
+    s = sm.shadow_of(y)
+    s.add_(1)  # a copy: the user cannot corrupt the mirror
+    assert sm.shadow_of(y).tolist() == [2.0, 2.0]
+
+
+def test_float64_device_identity_on_a_mixed_program():
+    x = torch.randn(16, 8, dtype=f64, requires_grad=True)
+    w = torch.randn(8, 4, dtype=f64, requires_grad=True)
+    with ShadowMode() as sm:
+        h = torch.tanh(x @ w)
+        loss = F.log_softmax(h, -1).mean() + h.var() + torch.linalg.vector_norm(h)
+        loss.backward()
+    for t in (h, loss, x.grad, w.grad):
+        assert same(sm, t)
+    for r in sm.report.records:
+        assert r.drift is None or r.drift.exact, r
+    assert math.isfinite(loss.item())
