@@ -1,0 +1,154 @@
+"""Shadow's overhead, as ratios measured in one run (never a timed test).
+
+    python benchmarks/overhead.py            # CPU fp32, the issue's two models + per-op overhead
+    python benchmarks/overhead.py --device cuda
+
+For each model (Adam, a training step): the native step, the same step in float64 (model and data
+converted), and shadowed steps with drift only and with drift + local error. The targets compare the
+shadowed step with what it must at least do: ``drift / (native + f64)`` and ``both / (native + 2 f64)``.
+Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops. Memory: the bytes of live
+shadows over the device bytes they mirror, right after a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+from shadow import ShadowMode
+
+
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers[:-1]), torch.randn(256, 1024)
+
+
+def transformer() -> tuple[nn.Module, torch.Tensor]:
+    return nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True), torch.randn(16, 128, 256)
+
+
+MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step_fn(model: nn.Module, x: torch.Tensor):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    return step
+
+
+def _time(step, device: str, reps: int, ctx=None) -> float:
+    """Median seconds per step after one warm-up step (inside ``ctx`` when given)."""
+    times = []
+    with ctx if ctx is not None else _nullctx():
+        step()
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def bench_model(name: str, device: str, reps: int) -> dict:
+    torch.manual_seed(0)
+    model, x = MODELS[name]()
+    model, x = model.to(device), x.to(device)
+    f64_model, f64_x = copy.deepcopy(model).double(), x.double()
+    native = _time(_step_fn(model, x), device, reps)
+    f64 = _time(_step_fn(f64_model, f64_x), device, reps)
+    drift_mode = ShadowMode(local=False)
+    drift = _time(_step_fn(copy.deepcopy(model), x), device, reps, drift_mode)
+    both_mode = ShadowMode()
+    both = _time(_step_fn(copy.deepcopy(model), x), device, reps, both_mode)
+    mem = both_mode.memory()
+    return {
+        "model": name,
+        "native_ms": native * 1e3,
+        "f64_ms": f64 * 1e3,
+        "drift_ms": drift * 1e3,
+        "both_ms": both * 1e3,
+        "drift_ratio": drift / (native + f64),  # target <= 1.3
+        "both_ratio": both / (native + 2 * f64),  # target <= 1.3
+        "ops_per_step": both_mode.report.coverage.calls // (reps + 1),
+        "memory_ratio": mem["shadow_bytes"] / max(1, mem["device_bytes"]),  # target <= 2.1
+    }
+
+
+def bench_per_op(device: str, n: int = 2000, reps: int = 5) -> dict:
+    """Framework overhead per op on tiny tensors (4 elements): everything shadow adds to one op call."""
+    x = torch.randn(4, device=device)
+
+    def chain() -> None:
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+
+    native = _time(chain, device, reps)
+    drift = _time(chain, device, reps, ShadowMode(local=False))
+    both = _time(chain, device, reps, ShadowMode())
+    return {
+        "native_us": native / n * 1e6,
+        "drift_overhead_us": (drift - native) / n * 1e6,  # target <= 30
+        "both_overhead_us": (both - native) / n * 1e6,  # target <= 50
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--reps", type=int, default=3, help="timed steps per configuration (median kept)")
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
+    dev_name = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, device {args.device} ({dev_name}), {torch.get_num_threads()} threads")
+    rows = [bench_model(name, args.device, args.reps) for name in MODELS]
+    for r in rows:
+        print(
+            f"{r['model']:<30} native {r['native_ms']:8.1f} ms  f64 {r['f64_ms']:8.1f} ms  "
+            f"drift {r['drift_ms']:8.1f} ms ({r['drift_ratio']:.2f}x of native+f64)  "
+            f"drift+local {r['both_ms']:8.1f} ms ({r['both_ratio']:.2f}x of native+2 f64)  "
+            f"{r['ops_per_step']} ops/step  shadow memory {r['memory_ratio']:.2f}x"
+        )
+    per_op = bench_per_op(args.device)
+    print(
+        f"per-op overhead (4-element tensors): native {per_op['native_us']:.1f} us/op, "
+        f"drift +{per_op['drift_overhead_us']:.1f} us, drift+local +{per_op['both_overhead_us']:.1f} us"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": args.device, "device_name": dev_name,
+                       "models": rows, "per_op": per_op}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
