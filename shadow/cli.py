@@ -128,9 +128,17 @@ def _demo(args: argparse.Namespace) -> int:
     for i, loss in enumerate(losses):
         dev, ref = loss.item(), sm.shadow_of(loss).item()
         print(f"loss step {i + 1}: device {dev:.9g}  shadow {ref:.17g}  rel diff {abs(dev - ref) / abs(ref):.3g}")
-    worst = max(((p, sm.shadow_of(p)) for p in model.parameters()),
-                key=lambda ps: _rel_diff(ps[0], ps[1]))
-    print(f"parameters after the last step: max rel_norm(device - shadow) {_rel_diff(*worst):.3g}")
+    params = [(p.detach(), sm.shadow_of(p)) for p in model.parameters()]
+    bad = sum(int((~torch.isfinite(p)).sum()) for p, _ in params)
+    if bad:
+        print(f"parameters after the last step: {bad} non-finite elements on the device")
+    else:
+        print(f"parameters after the last step: max rel_norm(device - shadow) "
+              f"{max(_rel_diff(p, s) for p, s in params):.3g}")
+    first = rep.first_nonfinite()
+    if first is not None:
+        print(f"first op call where device and shadow disagree on NaN/Inf: #{first.index} {first.op} "
+              f"{first.module or '-'} ({first.phase})")
     if args.save:
         rep.save(args.save)
         print(f"report saved to {args.save}")
@@ -138,7 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _rel_diff(p: torch.Tensor, s: torch.Tensor) -> float:
-    d = p.detach().to("cpu", torch.float64) - s
+    d = p.to("cpu", torch.float64) - s
     return (torch.linalg.vector_norm(d) / torch.linalg.vector_norm(s).clamp_min(torch.finfo(torch.float64).tiny)).item()
 
 
