@@ -126,8 +126,8 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> ErrorStats:
     n = r.numel()
     if n == 0:
         return ErrorStats()
-    if y.is_complex() or r.is_complex() or n <= _SMALL:
-        return _compare_numpy(host(y), host(r), dtype, n)
+    if y.is_complex() or r.is_complex() or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
+        return _compare_numpy(host(y).reshape(-1), host(r).reshape(-1), dtype, n)
     return _compare_torch(y.detach(), r, dtype, n)
 
 
