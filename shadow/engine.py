@@ -67,7 +67,8 @@ class Engine:
                 with _no_dispatch():
                     self._see(plan, args, kwargs)
             except Exception as exc:
-                self._internal_error(plan, args, kwargs, out, exc)
+                with _no_dispatch():  # adopting the outputs must not dispatch (and record) ops of its own
+                    self._internal_error(plan, args, kwargs, out, exc)
                 return out
             self._record(plan, Kind.VIEW, args, kwargs)
             return out
@@ -108,7 +109,7 @@ class Engine:
         for spec in plan.tensor_args:
             t = spec.get(args, kwargs)
             if isinstance(t, torch.Tensor) and t.device.type != "meta" and m.shadow_dtype(t.dtype) is not None \
-                    and not t._is_zerotensor():
+                    and not t._is_zerotensor() and t.layout == torch.strided:
                 m.entry(t)
 
     # --- before the device op ---
@@ -143,6 +144,8 @@ class Engine:
             return t
         if t.device.type == "meta":
             raise _NoValues
+        if t.layout != torch.strided:  # sparse (COO, CSR...) and mkldnn tensors have no strided storage to mirror
+            raise Unsupported(call.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
         sd = self.mirror.shadow_dtype(t.dtype)
         if sd is None:  # discrete, following the device: its values, never written back
             c = t.to("cpu")
@@ -192,7 +195,9 @@ class Engine:
             self._adopt_all(plan, args, kwargs, out)
             self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=exc.reason, inputs=call.inputs)
             return
-        if souts is None:  # random or uninitialized: the device's values are adopted
+        # random or uninitialized: the device's values are adopted (by kind: a replayed in-place op that returns
+        # nothing, such as _foreach_add_ or _fused_adam_, also gives None and its shadow writes must be kept)
+        if souts is None and kind in (Kind.RANDOM, Kind.ADOPTED):
             self._adopt_all(plan, args, kwargs, out)
             self._record(plan, kind, args, kwargs, inputs=call.inputs)
             return
@@ -247,6 +252,8 @@ class Engine:
         sd = m.shadow_dtype(dev.dtype)
         if not isinstance(sh, torch.Tensor) or dev._is_zerotensor():
             return 0, 0, 0
+        if dev.layout != torch.strided:  # a sparse result (to_sparse): no strided storage to mirror
+            raise Unsupported(call.plan.name, f"{dev.layout} result: shadow mirrors strided tensors only")
         if sh.shape != dev.shape:  # a data-dependent shape the shadow did not reproduce
             if sd is not None:
                 m.assign(dev, m.upcast(dev), exact=True, fresh=True)
@@ -291,10 +298,15 @@ class Engine:
                 targets.extend([v] if spec.kind is ArgKind.TENSOR else v)
         targets.extend(t for _, t in flat_returns(plan, out))
         for t in targets:
-            if isinstance(t, torch.Tensor) and not t._is_zerotensor() and m.shadow_dtype(t.dtype) is not None:
+            if isinstance(t, torch.Tensor) and not t._is_zerotensor() and m.shadow_dtype(t.dtype) is not None \
+                    and t.layout == torch.strided:  # sparse results have no storage to mirror
                 m.assign(t, m.upcast(t), exact=True, fresh=True)
 
     def _internal_error(self, plan: OpPlan, args, kwargs, out, exc: Exception) -> None:
+        if isinstance(exc, Unsupported):  # a limit of shadow found while preparing (sparse layouts), not a bug
+            self._adopt_all(plan, args, kwargs, out)
+            self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=exc.reason)
+            return
         self.report.coverage.internal_errors += 1
         try:
             self._adopt_all(plan, args, kwargs, out)

@@ -40,7 +40,37 @@ class _Entry:
 
 
 def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return base.as_strided(t.size(), t.stride(), t.storage_offset())
+    r = base.as_strided(t.size(), t.stride(), t.storage_offset())
+    # conjugate and negative views (x.conj(), x.mH, _neg_view) read their storage through a lazy bit: the
+    # shadow view needs the same bit, and a copy_ into it then writes the storage's raw values, as the device
+    if t.is_conj():
+        r = r.conj()
+    if t.is_neg():
+        r = torch._neg_view(r)
+    return r
+
+
+def _storage_values(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t's whole storage as n raw values (as_strided keeps t's conj/neg bit, which would store conj(x) or -x)."""
+    flat = t.as_strided((n,), (1,), 0)
+    if flat.is_conj():
+        flat = flat.conj()
+    if flat.is_neg():
+        flat = torch._neg_view(flat)
+    return flat
+
+
+def _as_pair(base: torch.Tensor, itemsize: int, t: torch.Tensor) -> torch.Tensor | None:
+    """The storage shadow in t's dtype when t reads a complex storage as (re, im) pairs or the reverse
+    (view_as_real, view_as_complex): float64 pairs line up with complex128 as float32 ones with complex64,
+    so the shadow is a view too. A copy (``upcast``) would be contiguous, and a reduction over it could
+    round in another order than the device's (a sum over view_as_real in polar's backward: 1 ulp)."""
+    if base.is_complex() and t.is_floating_point() and t.dtype.to_complex().itemsize == itemsize:
+        return torch.view_as_real(base).reshape(-1)
+    if base.is_floating_point() and t.is_complex() and t.dtype.to_real().itemsize == itemsize \
+            and base.numel() % 2 == 0:
+        return torch.view_as_complex(base.view(-1, 2))
+    return None
 
 
 def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> None:
@@ -50,6 +80,8 @@ def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> N
         _region(base, t).copy_(value)
         return
     idx = torch.arange(base.numel()).as_strided(t.size(), t.stride(), t.storage_offset())
+    value = value.conj() if t.is_conj() else value  # the raw values a conj/neg view of them reads as value
+    value = -value if t.is_neg() else value
     base.index_put_((idx.reshape(-1),), value.expand(t.shape).reshape(-1).to(base.dtype))
 
 
@@ -84,6 +116,9 @@ class Mirror:
     def view(self, t: torch.Tensor, e: _Entry) -> torch.Tensor:
         """The shadow of tensor t (a view into its storage's shadow when the layouts agree)."""
         if e.itemsize != t.element_size():
+            pair = _as_pair(e.base, e.itemsize, t)
+            if pair is not None:
+                return _region(pair, t)
             self.reinterpreted += 1
             return self.upcast(t)
         return _region(e.base, t)
@@ -98,8 +133,7 @@ class Mirror:
     def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()
         n = st.nbytes() // itemsize
-        flat = t.as_strided((n,), (1,), 0)
-        base = flat.to(device="cpu", dtype=self.shadow_dtype(t.dtype), copy=True)
+        base = _storage_values(t, n).to(device="cpu", dtype=self.shadow_dtype(t.dtype), copy=True)
         if old is None:
             self.adopted += 1
         elif old.itemsize == itemsize and old.nbytes < st.nbytes():
@@ -135,10 +169,12 @@ class Mirror:
         key = st._cdata
         e = self._entries.get(key)
         itemsize = t.element_size()
-        if e is not None and e.nbytes == st.nbytes() and e.itemsize == itemsize:
-            _write_region(e.base, t, value)
-            e.exact = e.exact and exact
-            return
+        if e is not None and e.nbytes == st.nbytes():
+            b = e.base if e.itemsize == itemsize else _as_pair(e.base, e.itemsize, t)
+            if b is not None:
+                _write_region(b, t, value)
+                e.exact = e.exact and exact
+                return
         n = st.nbytes() // itemsize
         sd = self.shadow_dtype(t.dtype)
         if (
@@ -148,10 +184,11 @@ class Mirror:
             and t.is_contiguous()
             and value.is_contiguous()
             and value.dtype == sd
+            and not (t.is_conj() or t.is_neg() or value.is_conj() or value.is_neg())  # base holds raw values
         ):
             base = value.reshape(-1)
         else:  # the output does not cover its storage: the rest is what the device holds
-            base = t.as_strided((n,), (1,), 0).to(device="cpu", dtype=sd, copy=True)
+            base = _storage_values(t, n).to(device="cpu", dtype=sd, copy=True)
             _write_region(base, t, value)
         self._put(key, _Entry(st, base, itemsize, exact, e.writes if e is not None else 0))
 

@@ -189,3 +189,5 @@ def native_dropout_rule(r: Replay) -> tuple[Kind, Any]:
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
     return Kind.RANDOM, (x * mask * scale, mask)
 
+
+from . import kernels  # noqa: E402,F401  (fused device kernels register their rules in the same table)
