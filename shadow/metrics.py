@@ -92,6 +92,7 @@ def host(t: torch.Tensor) -> np.ndarray:
     return t.to(device="cpu", dtype=torch.complex128 if t.is_complex() else torch.float64, copy=True).numpy()
 
 
+_TINY = 64  # elements: below this a Python loop beats any array call (scalars, biases, optimizer steps)
 _SMALL = 1 << 14  # elements: below this per-call overhead dominates (numpy); above, memory traffic (torch)
 
 
@@ -126,16 +127,69 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> ErrorStats:
     n = r.numel()
     if n == 0:
         return ErrorStats()
+    if n <= _TINY:
+        return _compare_python(_flat_list(y), _flat_list(r), dtype, n)
     if y.is_complex() or r.is_complex() or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
         return _compare_numpy(host(y).reshape(-1), host(r).reshape(-1), dtype, n)
     return _compare_torch(y.detach(), r, dtype, n)
 
 
+def _flat_list(t: torch.Tensor) -> list:
+    if t.dim() == 1:
+        return t.tolist()
+    return [t.item()] if t.dim() == 0 else t.reshape(-1).tolist()
+
+
 def _finish(stats: ErrorStats, m: float, nd: float, nr: float, ulp_unit_max: float, dtype: torch.dtype) -> ErrorStats:
     stats.max_abs = m
     stats.rel_norm = nd / nr if nr > 0 else _INF
-    stats.max_ulp = ulp_unit_max * 2.0 ** precision_bits(_real_dtype(dtype))
+    stats.max_ulp = ulp_unit_max * _consts(dtype)[1]
     return stats
+
+
+def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int) -> ErrorStats:
+    stats = ErrorStats(n=n)
+    tiny, _ = _consts(dtype)
+    m = nd2 = nr2 = unit_max = 0.0
+    for a, b in zip(yl, rl):
+        d = abs(a - b)
+        ab = abs(b)
+        if d == 0.0:
+            nr2 += ab * ab
+            continue
+        if not d < _INF:  # NaN or Inf: count it apart (a finite difference that overflows is an error)
+            fa, fb = math.isfinite(abs(a)), ab < _INF
+            if fa and fb:
+                pass
+            elif not fa and fb:
+                stats.nonfinite_device += 1
+                continue
+            elif fa:
+                stats.nonfinite_reference += 1
+                continue
+            else:
+                stats.nonfinite_mismatch += not (a == b or (a != a and b != b))
+                continue
+        m = max(m, d)
+        nd2 += d * d
+        nr2 += ab * ab
+        # math.ulp(x) * 2**52 is 2**floor(log2 x) for normal float64 x: the spacing unit of _pow2_floor
+        unit_max = max(unit_max, d / max(math.ulp(ab) * 4503599627370496.0, tiny))
+    if m == 0.0:
+        return stats
+    return _finish(stats, m, math.sqrt(nd2), math.sqrt(nr2), unit_max, dtype)
+
+
+_CONSTS: dict[torch.dtype, tuple[float, float]] = {}
+
+
+def _consts(dtype: torch.dtype) -> tuple[float, float]:
+    """(smallest normal, 2**p) of a dtype's real part, cached: finfo costs more than a comparison."""
+    c = _CONSTS.get(dtype)
+    if c is None:
+        rdt = _real_dtype(dtype)
+        c = _CONSTS[dtype] = (torch.finfo(rdt).tiny, 2.0 ** precision_bits(rdt))
+    return c
 
 
 @np.errstate(all="ignore")  # inf - inf and 0/0 are counted below, never printed into the user's stderr
