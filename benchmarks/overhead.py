@@ -3,8 +3,8 @@
     python benchmarks/overhead.py            # CPU fp32, the two models + per-op overhead
     python benchmarks/overhead.py --device cuda
 
-For each model (Adam, a training step): the native step, the same step in float64 (model and data
-converted), and shadowed steps with drift only and with drift + local error. The targets compare the
+For each model (Adam, a training step): the native step, the same step in float64 on the CPU (model and
+data converted; that is where shadow replays, whatever the device), and shadowed steps with drift only and with drift + local error. The targets compare the
 shadowed step with what it must at least do: ``drift / (native + f64)`` and ``both / (native + 2 f64)``.
 Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops. Memory: the bytes of live
 shadows over the device bytes they mirror, right after a step.
@@ -81,9 +81,10 @@ def bench_model(name: str, device: str, reps: int) -> dict:
     torch.manual_seed(0)
     model, x = MODELS[name]()
     model, x = model.to(device), x.to(device)
-    f64_model, f64_x = copy.deepcopy(model).double(), x.double()
+    # the float64 step runs where shadow replays: on the CPU, whatever the device
+    f64_model, f64_x = copy.deepcopy(model).to("cpu", torch.float64), x.to("cpu", torch.float64)
     native = _time(_step_fn(model, x), device, reps)
-    f64 = _time(_step_fn(f64_model, f64_x), device, reps)
+    f64 = _time(_step_fn(f64_model, f64_x), "cpu", reps)
     drift_mode = ShadowMode(local=False)
     drift = _time(_step_fn(copy.deepcopy(model), x), device, reps, drift_mode)
     both_mode = ShadowMode()

@@ -166,7 +166,7 @@ class Engine:
             m.note_write(e)
         call.exact = call.exact and e.exact
         call.inputs.append(t)
-        call.storages.add(e.base.untyped_storage()._cdata)
+        call.storages.add(e.sptr)
         return m.view(t, e)
 
     def _local_args(self, plan: OpPlan, args, kwargs, sargs, skw) -> tuple[list, dict]:
@@ -283,8 +283,8 @@ class Engine:
         if written:
             m.commit_write(dev, sh, exact)
         else:
-            m.assign(dev, sh, exact, fresh=sh.untyped_storage()._cdata not in call.storages)
-            m.unobserved_write(dev, m.entry(dev))  # start tracking the new output's version counter
+            e = m.assign(dev, sh, exact, fresh=sh.untyped_storage()._cdata not in call.storages)
+            m.unobserved_write(dev, e)  # start tracking the new output's version counter
         return 0, 0, 0
 
     # --- adoption and recording ---

@@ -28,11 +28,13 @@ def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
 
 
 class _Entry:
-    __slots__ = ("wref", "base", "itemsize", "nbytes", "exact", "writes")
+    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int):
         self.wref = StorageWeakRef(storage)
+        self.key = storage._cdata
         self.base = base  # 1-D shadow of the whole storage
+        self.sptr = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
         self.itemsize = itemsize
         self.nbytes = storage.nbytes()
         self.exact = exact  # the shadow equals the device's values exactly
@@ -90,6 +92,7 @@ class Mirror:
 
     def __init__(self, follow_reference: bool):
         self._follow_reference = follow_reference
+        self._dtypes: dict[torch.dtype, torch.dtype | None] = {}
         self._entries: dict[int, _Entry] = {}
         self._versions: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id(t) -> (ref, key, version, writes)
         self._new = 0
@@ -99,10 +102,12 @@ class Mirror:
 
     # --- which tensors are mirrored ---
     def shadow_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
-        sd = shadow_dtype_of(dtype)
-        if sd is None and self._follow_reference:
-            return dtype
-        return sd
+        try:
+            return self._dtypes[dtype]
+        except KeyError:
+            sd = shadow_dtype_of(dtype)
+            sd = self._dtypes[dtype] = dtype if sd is None and self._follow_reference else sd
+            return sd
 
     # --- reading ---
     def entry(self, t: torch.Tensor) -> _Entry:
@@ -160,7 +165,7 @@ class Mirror:
             self.sweep()
 
     # --- writing ---
-    def assign(self, t: torch.Tensor, value: torch.Tensor, exact: bool, fresh: bool) -> None:
+    def assign(self, t: torch.Tensor, value: torch.Tensor, exact: bool, fresh: bool) -> _Entry:
         """Make ``value`` the shadow of device tensor t (an op's output).
 
         ``fresh``: value is a new tensor no other shadow aliases, so it can become the storage shadow
@@ -174,7 +179,7 @@ class Mirror:
             if b is not None:
                 _write_region(b, t, value)
                 e.exact = e.exact and exact
-                return
+                return e
         n = st.nbytes() // itemsize
         sd = self.shadow_dtype(t.dtype)
         if (
@@ -190,7 +195,7 @@ class Mirror:
         else:  # the output does not cover its storage: the rest is what the device holds
             base = _storage_values(t, n).to(device="cpu", dtype=sd, copy=True)
             _write_region(base, t, value)
-        self._put(key, _Entry(st, base, itemsize, exact, e.writes if e is not None else 0))
+        return self._keep(st, _Entry(st, base, itemsize, exact, e.writes if e is not None else 0))
 
     def commit_write(self, t: torch.Tensor, shadow_view: torch.Tensor, exact: bool) -> None:
         """After an op wrote device tensor t and its replay wrote ``shadow_view``: keep the result.
@@ -223,11 +228,14 @@ class Mirror:
             version = t._version
         except RuntimeError:  # inference tensors have no version counter
             return False
-        key = t.untyped_storage()._cdata
         rec = self._versions.get(id(t))
-        moved = rec is not None and rec[0]() is t and rec[1] == key and version - rec[2] > e.writes - rec[3]
-        self._versions[id(t)] = (weakref.ref(t), key, version, e.writes)
-        return moved
+        if rec is not None and rec[0]() is t and rec[1] == e.key:
+            moved = version - rec[2] > e.writes - rec[3]
+            if rec[2] != version or rec[3] != e.writes:
+                self._versions[id(t)] = (rec[0], e.key, version, e.writes)
+            return moved
+        self._versions[id(t)] = (weakref.ref(t), e.key, version, e.writes)
+        return False
 
     # --- lifetime ---
     def sweep(self) -> None:
