@@ -1,0 +1,443 @@
+"""Spot checks (shadow/spot.py): verdicts where float64 is wrong, trusted ordinary ops, the sampling policy.
+
+``check`` is called directly, as the engine calls it: the op's float64 inputs, the device's outputs, the
+float64 reference's outputs and the device dtype.
+"""
+
+from __future__ import annotations
+
+import fractions
+import json
+import math
+
+import mpmath
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shadow import spot
+from shadow.options import ShadowOptionError
+from shadow.spot import DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, SpotPolicy, SpotStats, sample_indices
+
+aten = torch.ops.aten
+f32, f64 = torch.float32, torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _reset_mpmath_precision():
+    prec = mpmath.mp.prec
+    yield
+    assert mpmath.mp.prec == prec, "a spot check left mpmath's precision changed"
+    mpmath.mp.prec = prec
+
+
+def up(v):
+    return v.to(f64, copy=True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+
+def as_list(v) -> list:
+    return list(v) if isinstance(v, (tuple, list)) else [v]
+
+
+def check(op, args, kwargs=None, *, device=None, reference=None, policy=None, dtype=f32, priority=None):
+    """Spot-check ``op(*args)``: the device runs it on ``args`` (fp32 unless given), the float64 reference on
+    the upcast args; either result can be overridden. Returns (stats, policy) (``policy.last``: the samples)."""
+    kwargs = kwargs or {}
+    policy = policy if policy is not None else SpotPolicy.from_option("default")
+    a64, k64 = [up(a) for a in args], {k: up(v) for k, v in kwargs.items()}
+    dev = as_list(op(*args, **kwargs) if device is None else device)
+    ref = as_list(op(*[up(a) for a in a64], **{k: up(v) for k, v in k64.items()}) if reference is None else reference)
+    policy.wants(str(op))
+    return policy.check(op, a64, k64, dev, ref, dtype, priority), policy
+
+
+# --- float64 wrong: flagged untrusted, the exact value recovered ---
+def test_sum_cancelling_inside_a_reduction_is_untrusted():
+    # fp32(1e16) = 10000000272564224 = 2**53 * 1.11: float64's spacing there is 2, so 1e16 + 1 is a tie that
+    # rounds to even (...224) and the row sums to 0 in float64 as in float32; the exact sum is 1.
+    x = torch.tensor([[1e16, 1.0, -1e16]] * 8)
+    s, pol = check(aten.sum.dim_IntList, (x, [1]))
+    assert not s.trusted and s.checked
+    assert s.samples == 8  # escalated (to 16 elements): every one of the 8 rows
+    for smp in pol.last:
+        assert (smp.exact, smp.reference, smp.device) == (1.0, 0.0, 0.0)
+        assert smp.ref_err_ulp == 2.0**52  # |0 - 1| / spacing_f64(1) = 1 / 2**-52
+        assert smp.device_err_ulp == 2.0**23  # 1 / spacing_f32(1) = 1 / 2**-23
+        assert smp.cancellation == 2 * 10000000272564224.0  # sum |x| / |sum x| (the magnitude is a float64 scale)
+    assert (s.ref_err_ulp, s.device_err_ulp, s.device_err_abs) == (2.0**52, 2.0**23, 1.0)
+
+
+def exact_variance(row: torch.Tensor) -> float:
+    """Unbiased variance, in exact rational arithmetic, correctly rounded to float64."""
+    v = [fractions.Fraction(float(t)) for t in row]
+    n = len(v)
+    return float((n * sum(t * t for t in v) - sum(v) ** 2) / (n * (n - 1)))
+
+
+def test_variance_with_a_large_mean_two_ways():
+    # fp32 data 1e6 + N(0, 1) (spacing 1/16 at 1e6): var ~ 1 while E[x^2] ~ 1e12, so E[x^2] - E[x]^2 cancels
+    # 12 digits and float64's ~1e-16 relative error on E[x^2] becomes ~1e-4 on the variance
+    g = torch.Generator().manual_seed(1)
+    x = 1e6 + torch.randn(4, 1000, generator=g)
+    x64 = x.double()
+    want = [exact_variance(row) for row in x64]
+    # way 1: the float64 reference of aten.var (two-pass): trusted
+    s, pol = check(aten.var.correction, (x,), {"dim": [1]})
+    assert s.trusted and s.samples == 4  # cancellation ~1e12 escalates to all 4 rows
+    assert [smp.exact for smp in sorted(pol.last, key=lambda t: t.index)] == want
+    assert s.max_cancellation > 1e11  # (sum x^2 / (n-1)) / var
+    # way 2: the same op with a reference computed as E[x^2] - E[x]^2 (what a naive decomposition replays)
+    naive = ((x64 * x64).mean(1) - x64.mean(1) ** 2) * (1000 / 999)
+    s2, pol2 = check(aten.var.correction, (x,), {"dim": [1]}, reference=naive)
+    assert not s2.trusted
+    assert s2.ref_err_ulp > 1e6  # the naive reference is off around the 4th digit: ~1e11 float64 ulps
+    assert [smp.exact for smp in sorted(pol2.last, key=lambda t: t.index)] == want  # exact value recovered
+    # the device (CPU float32 var accumulates in double) is right to about half an fp32 ulp
+    assert s2.device_err_ulp == s.device_err_ulp < 2
+
+
+def test_log_of_one_plus_x_versus_log1p_for_tiny_x():
+    x = torch.tensor([2.0**-60, 1e-10, 3e-15, 1e-12])
+    all_ = SpotPolicy.from_option("all")
+    # log1p in float64: trusted, and the device's (fp32) log1p is within half an ulp
+    s, _ = check(aten.log1p.default, (x,), policy=all_)
+    assert s.trusted and s.samples == 4 and s.device_err_ulp <= 0.5
+    # the reference computed as log(1 + x): 1 + 2**-60 rounds to 1 in float64, so log gives 0
+    s2, pol2 = check(aten.log1p.default, (x,), reference=torch.log(1 + x.double()), policy=SpotPolicy.from_option("all"))
+    assert not s2.trusted and s2.samples == 4
+    first = next(smp for smp in pol2.last if smp.index == (0,))
+    # log1p(2**-60) = 2**-60 - 2**-121 + ...: in [2**-61, 2**-60) float64's spacing is 2**-113, and 2**-121 is
+    # below half of it, so the exact value rounds to 2**-60 itself; the reference is 0
+    assert (first.exact, first.reference) == (2.0**-60, 0.0)
+    # its error in float64 ulps: (2**-60 - 2**-121 + ...) / 2**-113 = 2**53 - 2**-8 + ...
+    assert first.ref_err_ulp == pytest.approx(2.0**53, rel=1e-15)
+    # every x here is below 2**-40: 1 + x keeps at most 12 of x's 24 bits (an fp32 x >= 2**-29 would fit exactly)
+    assert all(not smp.trusted for smp in pol2.last)
+
+
+def test_dot_product_cancelling_to_1e12_of_its_magnitude():
+    # a . b = sum u_i v_i - sum u_i v_i + t = t exactly (the pairs cancel), with t ~ 1e-12 * sum |a_i b_i|;
+    # the terms are shuffled so float64's partial sums round before they cancel
+    g = torch.Generator().manual_seed(0)
+    u, v = torch.randn(128, generator=g), torch.randn(128, generator=g)
+    mag = 2 * float((u.double() * v.double()).abs().sum())
+    t = float(torch.tensor(1e-12 * mag, dtype=f32))  # an fp32 number: the exact result
+    a, b = torch.cat([u, u, torch.tensor([t])]), torch.cat([v, -v, torch.tensor([1.0])])
+    perm = torch.randperm(257, generator=g)
+    A, B = a[perm].view(1, 257), b[perm].view(257, 1)
+    ref = A.double() @ B.double()
+    assert ref.item() != t  # float64 does not get it right (fixed seed: checked once, holds)
+    # a device that accumulates exactly (or luckily) returns t: float64 is now the less accurate of the two
+    s, pol = check(aten.mm.default, (A, B), device=torch.tensor([[t]]))
+    (smp,) = pol.last
+    assert not s.trusted and smp.exact == t and s.device_err_abs == 0.0
+    assert s.max_cancellation == pytest.approx((mag + t) / t, rel=1e-6)  # ~1e12
+    # a plain fp32 device errs ~1e-7 * magnitude, thousands of times float64's error: then float64 is trusted
+    s2, _ = check(aten.mm.default, (A, B))
+    assert s2.trusted and s2.device_err_abs > 100 * abs(ref.item() - t)
+
+
+# --- ordinary fp32 data: trusted ---
+def _data(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+ORDINARY = [
+    (aten.mm.default, lambda: (_data(16, 64), _data(64, 8, seed=1)), {}),
+    (aten.addmm.default, lambda: (_data(8), _data(16, 64, seed=1), _data(64, 8, seed=2)), {}),
+    (aten.add.Tensor, lambda: (_data(32, 8), _data(32, 8, seed=1)), {}),
+    (aten.mul.Tensor, lambda: (_data(32, 8), _data(32, 8, seed=1)), {}),
+    (aten.div.Tensor, lambda: (_data(32, 8), _data(32, 8, seed=1)), {}),
+    (aten.exp.default, lambda: (_data(32, 8),), {}),
+    (aten.log.default, lambda: (_data(32, 8).abs() + 0.1,), {}),
+    (aten.sqrt.default, lambda: (_data(32, 8).abs(),), {}),
+    (aten.tanh.default, lambda: (_data(32, 8),), {}),
+    (aten.sigmoid.default, lambda: (_data(32, 8),), {}),
+    (aten.gelu.default, lambda: (_data(32, 8),), {}),
+    (aten.relu.default, lambda: (_data(32, 8),), {}),
+    (aten._softmax.default, lambda: (_data(16, 32), -1, False), {}),
+    (aten._log_softmax.default, lambda: (_data(16, 32), -1, False), {}),
+    (aten.native_layer_norm.default, lambda: (_data(8, 64), [64], _data(64, seed=1), _data(64, seed=2), 1e-5), {}),
+    (aten.sum.dim_IntList, lambda: (_data(16, 256), [1]), {}),
+    (aten.mean.default, lambda: (_data(64, 64),), {}),
+    (aten.var.correction, lambda: (_data(16, 256),), {"dim": [1]}),
+]
+
+
+@pytest.mark.parametrize("op, make, kwargs", ORDINARY, ids=[str(o[0]) for o in ORDINARY])
+def test_random_fp32_data_gives_trusted_verdicts(op, make, kwargs):
+    s, pol = check(op, make(), kwargs, policy=SpotPolicy.from_option(4))
+    assert s.checked and s.trusted, s
+    assert s.samples == len(pol.last) >= 1
+    # float64 stays far inside its 29 bits of headroom, and correct fp32 kernels are within a few ulps
+    assert s.ref_err_ulp < 2.0**10 and s.device_err_ulp < 2.0**6
+
+
+class _SpotHarness(TorchDispatchMode):
+    """What the engine hook does, minus shadows: float64 replay on the device's inputs, then check."""
+
+    def __init__(self, policy: SpotPolicy):
+        super().__init__()
+        self.policy, self.stats = policy, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.policy.wants(str(func)):
+            return func(*args, **kwargs)
+        a64, k64 = tree_map(up, args), tree_map(up, kwargs)  # before the op: in-place ops overwrite args
+        out = func(*args, **kwargs)
+        ref = func(*tree_map(up, a64), **tree_map(up, k64))
+        dev = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        refs = [t for t in tree_flatten(ref)[0] if isinstance(t, torch.Tensor)]
+        self.stats.append((str(func), self.policy.check(func, a64, k64, dev, refs, dev[0].dtype)))
+        return out
+
+
+def test_ordinary_training_step_gives_only_trusted_spot_checks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    h = _SpotHarness(SpotPolicy.from_option("default"))
+    with h:
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x).softmax(-1).log(), y).backward()
+            opt.step()
+    checked = {op for op, s in h.stats if s.checked}
+    assert {"aten.addmm.default", "aten.mm.default", "aten.gelu.default", "aten.native_layer_norm.default",
+            "aten._softmax.default", "aten.log.default", "aten.nll_loss_forward.default",
+            "aten.sqrt.default"} <= checked
+    assert all(s.trusted for _, s in h.stats), [(op, s) for op, s in h.stats if not s.trusted]
+
+
+# --- units and the verdict rule, on hand-made values ---
+def test_errors_in_ulps_and_the_one_percent_rule():
+    one, tiny = torch.tensor([1.0], dtype=f64), torch.tensor([2.0**-30], dtype=f64)
+    # exact 1 + 2**-30; device fp32 1.0: |err| = 2**-30 = 2**-7 fp32 ulps at 1 (spacing 2**-23);
+    # reference 1.0 too: |err| = 2**-30 = 2**22 float64 ulps (spacing 2**-52). Half an fp32 ulp (2**-24) is
+    # above the device's error, so tol = 0.01 * 2**-24 = 5.96e-10 < 2**-30 = 9.31e-10: untrusted
+    s, _ = check(aten.add.Tensor, (one, tiny), device=torch.tensor([1.0]), reference=torch.tensor([1.0], dtype=f64))
+    assert (s.device_err_ulp, s.device_err_abs, s.ref_err_ulp, s.trusted) == (2.0**-7, 2.0**-30, 2.0**22, False)
+    # the exact reference (1 + 2**-30 is a float64 number): trusted, error 0
+    s, _ = check(aten.add.Tensor, (one, tiny), device=torch.tensor([1.0]), reference=one + tiny)
+    assert (s.ref_err_ulp, s.trusted) == (0.0, True)
+    # an exactly rounded device with error 2**-60 and a correctly rounded reference with the same error:
+    # against the device's error alone float64 would be "untrusted" (100%), but the floor of half an fp32
+    # ulp (2**-24) makes the tolerance 0.01 * 2**-24 >> 2**-60: trusted
+    s, _ = check(aten.add.Tensor, (one, torch.tensor([2.0**-60], dtype=f64)), device=torch.tensor([1.0]),
+                 reference=one.clone())
+    assert s.trusted and s.ref_err_ulp == 2.0**-8 and s.device_err_abs == 2.0**-60
+
+
+def test_ulps_below_the_smallest_normal_use_the_subnormal_spacing():
+    # exact 2**-141 + 2**-141 = 2**-140 (fp32 subnormal: spacing 2**-149); device one step above
+    h = torch.tensor([2.0**-141], dtype=f64)
+    dev = torch.tensor([2.0**-140 + 2.0**-149])
+    s, _ = check(aten.add.Tensor, (h, h), device=dev)
+    assert s.device_err_ulp == 1.0 and s.device_err_abs == 2.0**-149 and s.ref_err_ulp == 0.0 and s.trusted
+    # bfloat16 (7 stored bits): exact 3.0, device 3.015625 = 3 + 2**-6 -> one ulp (spacing at [2, 4) is 2**-6)
+    three = torch.tensor([1.5], dtype=f64)
+    s, _ = check(aten.add.Tensor, (three, three), device=torch.tensor([3.015625], dtype=torch.bfloat16),
+                 dtype=torch.bfloat16)
+    assert s.device_err_ulp == 1.0 and s.device_err_abs == 2.0**-6
+
+
+def test_non_finite_values():
+    a, b = torch.tensor([0.0, 1.0], dtype=f64), torch.tensor([0.0, 3.0], dtype=f64)
+    ref = a / b  # [nan, 1/3]
+
+    def all_():
+        return SpotPolicy.from_option("all")
+
+    # exact 0/0 = nan, matched by the reference; device inf where the exact value is 1/3: left out of the
+    # device figures (counted apart by shadow.metrics), and any finite reference is within 1% of infinity
+    s, pol = check(aten.div.Tensor, (a, b), device=torch.tensor([math.nan, math.inf]), reference=ref, policy=all_())
+    assert s.trusted and s.samples == 2 and s.device_err_ulp == 0.0 and s.device_err_abs == 0.0
+    assert math.isnan(next(smp for smp in pol.last if smp.index == (0,)).exact)
+    # a reference that overflowed where the exact value is finite: untrusted, infinitely wrong
+    s, _ = check(aten.div.Tensor, (a, b), reference=torch.tensor([math.nan, math.inf], dtype=f64), policy=all_())
+    assert not s.trusted and s.ref_err_ulp == math.inf
+
+
+def test_multi_output_ops_check_every_covered_output():
+    x = _data(4, 16)
+    s, pol = check(aten.native_layer_norm.default, (x, [16], None, None, 1e-5), policy=SpotPolicy.from_option(2))
+    assert s.trusted and sorted({smp.output for smp in pol.last}) == [0, 1, 2]
+    assert s.samples == 6  # 2 per output
+    s, pol = check(aten.var_mean.correction, (x,), {"dim": [1]}, policy=SpotPolicy.from_option(1))
+    assert s.trusted and sorted(smp.output for smp in pol.last) == [0, 1]
+
+
+def test_in_place_ops_read_the_inputs_from_before_the_call():
+    x, y = _data(8, 8), _data(8, 8, seed=1)
+    before = x.double()
+    dev = x.add_(y)  # the device op: x now holds x + y
+    pol = SpotPolicy.from_option(3)
+    assert pol.wants("aten.add_.Tensor")
+    s = pol.check(aten.add_.Tensor, (before, y.double()), {}, [dev], [before + y.double()], f32)
+    assert s.trusted and s.samples == 3 and s.device_err_ulp <= 0.5  # fp32 addition is correctly rounded
+
+
+# --- what cannot be checked ---
+def test_ops_without_a_reference_are_reported_never_guessed():
+    pol = SpotPolicy.from_option("default")
+    assert not pol.wants("aten.index_add.default")  # nothing to snapshot
+    x = torch.zeros(4, 3, dtype=f64)
+    s = pol.check(aten.index_add.default, (x, 0, torch.tensor([0, 2]), torch.ones(2, 3, dtype=f64)), {},
+                  [torch.zeros(4, 3)], [x], f32)
+    assert s == SpotStats(samples=0, reason="no mpmath reference for aten.index_add.default")
+    assert s.trusted and not s.checked  # no evidence against the reference; samples == 0 says nothing was checked
+
+
+def test_elements_too_costly_are_skipped_with_the_reason():
+    # a softmax element evaluates one exp per term of its row in mpmath (~10 us each): 20000 terms ~ 0.2 s
+    x = torch.zeros(1, 20000)
+    s, _ = check(aten._softmax.default, (x, -1, False))
+    assert not s.checked and "20000 terms" in s.reason and "per-element cap" in s.reason
+    # an exact sum is ~0.04 us per term: a mean of 4M elements is over the cap too
+    s, _ = check(aten.mean.default, (torch.zeros(2048, 2048),))
+    assert not s.checked and "4194304 terms" in s.reason
+
+
+def test_all_checks_every_element_of_small_outputs_only():
+    s, _ = check(aten.exp.default, (_data(5, 7),), policy=SpotPolicy.from_option("all"))
+    assert s.samples == 35 and s.trusted
+    s, _ = check(aten.exp.default, (_data(100, 100),), policy=SpotPolicy.from_option("all"))
+    assert not s.checked and "at most 4096 elements" in s.reason and "10000" in s.reason
+
+
+# --- sampling: determinism, priority, escalation, budget ---
+def test_samples_are_deterministic_for_a_seed():
+    def run(seed):
+        pol = SpotPolicy(seed=seed)
+        picks = []
+        for i in range(3):
+            for op, args in ((aten.exp.default, (_data(64, 64, seed=i),)), (aten.mm.default, (_data(32, 16), _data(16, 32)))):
+                check(op, args, policy=pol)
+                picks.append([(smp.output, smp.index) for smp in pol.last])
+        return picks
+
+    a, b, c = run(0), run(0), run(1)
+    assert a == b
+    assert a != c
+    assert len({tuple(p) for p in a[0::2]}) == 3  # successive calls of one op get different elements
+    assert sample_indices(7, "aten.exp.default", 3, 0, 10**6, 5) == sample_indices(7, "aten.exp.default", 3, 0, 10**6, 5)
+
+
+def test_highest_priority_elements_are_checked_first():
+    prio = torch.zeros(8, 8, dtype=f64)
+    prio[5, 2], prio[1, 7] = 10.0, 5.0
+    _, pol = check(aten.mm.default, (_data(8, 4), _data(4, 8)), priority=[prio], policy=SpotPolicy.from_option(4))
+    assert [smp.index for smp in pol.last[:2]] == [(5, 2), (1, 7)]  # ceil(4/2) by priority, then 2 at random
+    assert len({smp.index for smp in pol.last}) == 4
+    assert sample_indices(0, "op", 1, 0, 64, 3, prio)[:2] == [5 * 8 + 2, 1 * 8 + 7]
+
+
+def test_a_cancelling_call_gets_more_samples_than_a_benign_one():
+    benign = (_data(64, 3), [1])
+    cancelling = (torch.tensor([[1e16, 1.0, -1e16]] * 64), [1])
+    pol = SpotPolicy.from_option("default")
+    s, _ = check(aten.sum.dim_IntList, benign, policy=pol)
+    assert s.samples == DEFAULT_SAMPLES and s.trusted
+    s, _ = check(aten.sum.dim_IntList, cancelling, policy=pol)
+    assert s.samples == ESCALATED_SAMPLES and not s.trusted
+    # the op's next calls stay escalated for ESCALATE_CALLS calls, then fall back to the default
+    counts = [check(aten.sum.dim_IntList, benign, policy=pol)[0].samples for _ in range(ESCALATE_CALLS + 2)]
+    assert counts == [ESCALATED_SAMPLES] * ESCALATE_CALLS + [DEFAULT_SAMPLES] * 2
+    # other ops are not escalated by it
+    assert check(aten.exp.default, (_data(64, 3),), policy=pol)[0].samples == DEFAULT_SAMPLES
+
+
+def test_escalation_is_bounded_by_its_budget():
+    cancelling = (torch.tensor([[1e16, 1.0, -1e16]] * 64), [1])
+    # no budget: a risky call keeps its default samples
+    pol = SpotPolicy(escalation_budget_us=0.0, escalation_refill_us=0.0)
+    assert check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples == DEFAULT_SAMPLES
+    # a budget for 10 extra elements (each estimated at 100 us + 3 terms * 0.04 us), earned 1 per call
+    cost = spot.estimate_cost_us(aten.sum.dim_IntList, (cancelling[0].double(), [1]), {}, 64)[0]
+    pol = SpotPolicy(escalation_budget_us=10 * cost, escalation_refill_us=0.0)
+    counts = [check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples for _ in range(3)]
+    assert counts == [DEFAULT_SAMPLES + 10, DEFAULT_SAMPLES, DEFAULT_SAMPLES]
+
+
+def test_estimated_costs_follow_the_reduction_length():
+    mm = spot.estimate_cost_us(aten.mm.default, (torch.ones(4, 1024), torch.ones(1024, 4)), {}, 16)
+    sm = spot.estimate_cost_us(aten._softmax.default, (torch.ones(4, 128), -1, False), {}, 512)
+    ex = spot.estimate_cost_us(aten.exp.default, (torch.ones(4, 128),), {}, 512)
+    mean = spot.estimate_cost_us(aten.mean.default, (torch.ones(64, 64),), {}, 1)
+    assert (mm[1], sm[1], ex[1], mean[1]) == (1024, 128, 1, 4096)
+    assert ex[0] < mm[0] < sm[0]  # exact sums are cheap per term, mpmath exps are not
+
+
+# --- options ---
+@pytest.mark.parametrize(
+    "value, mode, counts",
+    [
+        ("off", "off", {"aten.mm.default": 0}),
+        (0, "off", {"aten.mm.default": 0}),
+        ("default", "default", {"aten.mm.default": DEFAULT_SAMPLES, "aten.exp.default": DEFAULT_SAMPLES}),
+        (5, "count", {"aten.mm.default": 5}),
+        ("all", "all", {"aten.mm.default": "all"}),
+        ({"aten.mm": 8}, "per_op", {"aten.mm.default": 8, "aten.exp.default": 0}),
+        ({"aten.mm.default": "all", "default": 1}, "per_op", {"aten.mm.default": "all", "aten.mm.out": 1,
+                                                               "aten.exp.default": 1}),
+        ({aten.exp: 3}, "per_op", {"aten.exp.default": 3, "aten.exp.out": 3, "aten.mm.default": 0}),
+    ],
+)
+def test_valid_options(value, mode, counts):
+    pol = SpotPolicy.from_option(value)
+    assert pol.mode == mode
+    for op, n in counts.items():
+        assert pol._count_for(op) == n
+        assert pol.wants(op) == (n != 0)
+    assert SpotPolicy.from_option(pol) is pol
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("sometimes", "unknown mode"),
+        (-1, "must be >= 0"),
+        (True, "(bool)"),
+        (2.5, "(float)"),
+        (None, "(NoneType)"),
+        (["aten.mm"], "(list)"),
+        ({"aten.mmm": 1}, "names no op"),
+        ({"mm": 1}, "names no op"),
+        ({"aten.mm": -2}, "is not a count"),
+        ({"aten.mm": "some"}, "is not a count"),
+        ({"aten.index_add": 1}, "no mpmath reference"),
+        ({3: 1}, "is not an op name"),
+    ],
+)
+def test_invalid_options_list_the_valid_forms(value, says):
+    with pytest.raises(ShadowOptionError) as exc:
+        SpotPolicy.from_option(value)
+    msg = str(exc.value)
+    assert says in msg
+    if "no mpmath reference" not in msg:
+        assert "'off', 'default', 'all'" in msg and "int >= 0" in msg and "aten.mm.default" in msg
+
+
+def test_off_checks_nothing():
+    pol = SpotPolicy.from_option("off")
+    assert not pol.wants("aten.exp.default")
+    assert pol.check(aten.exp.default, (torch.ones(2, dtype=f64),), {}, [torch.ones(2)], [torch.ones(2, dtype=f64)],
+                     f32) is None
+
+
+# --- records ---
+def test_stats_round_trip_through_json():
+    s = SpotStats(samples=3, ref_err_ulp=2.0**52, device_err_ulp=0.5, device_err_abs=1e-8,
+                  max_cancellation=math.inf, trusted=False)
+    d = s.to_dict()
+    assert set(d) == {"samples", "ref_err_ulp", "device_err_ulp", "device_err_abs", "max_cancellation", "trusted",
+                      "reason"}
+    assert SpotStats.from_dict(json.loads(json.dumps(d))) == s
+    saved = dict(d, max_cancellation="inf")  # how shadow.report writes non-finite numbers
+    assert SpotStats.from_dict(saved) == s
+    assert SpotStats.from_dict(SpotStats(reason="no mpmath reference for aten.foo.default").to_dict()).reason == \
+        "no mpmath reference for aten.foo.default"
