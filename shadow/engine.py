@@ -18,6 +18,7 @@ from .options import Options
 from .replay import Kind, Replay, Unsupported, rule_chain, run_chain, view_rule
 from .report import Event, Record, Report, merged
 from .schema import ArgKind, OpPlan, build_plan, flat_returns
+from .spot import SpotPolicy
 
 _no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
 
@@ -29,7 +30,7 @@ class _NoValues(Exception):
 class _Call:
     """What ``prepare`` built before the device op ran."""
 
-    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages")
+    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages", "spot")
 
     def __init__(self, plan: OpPlan, chain: tuple):
         self.plan = plan
@@ -41,6 +42,7 @@ class _Call:
         self.exact = True  # every shadow input equals the device's: local error = drift
         self.inputs: list[torch.Tensor] = []  # device tensors read (for optimizer naming)
         self.storages: set[int] = set()  # shadow storages of the inputs (an output aliasing one is copied)
+        self.spot: tuple[list, dict] | None = None  # the reference's inputs before the op, when spot-checked
 
 
 class Engine:
@@ -49,6 +51,7 @@ class Engine:
         self.report = report
         self.attr = attribution
         self.mirror = Mirror(follow_reference=options.follow == "reference")
+        self.spot = SpotPolicy.from_option(options.spot_checks)
         self._plans: dict[Any, tuple[OpPlan, tuple]] = {}
         self._index = 0
 
@@ -137,7 +140,23 @@ class Engine:
         call.sargs, call.skw = sargs, skw
         if self.opt.local and not call.exact:
             call.largs, call.lkw = self._local_args(plan, args, kwargs, sargs, skw)
+        dtype = call.inputs[0].dtype if call.inputs else None
+        # float64 devices have no headroom over the float64 reference: nothing to validate
+        if dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name):
+            call.spot = self._spot_inputs(plan, call)
         return call
+
+    def _spot_inputs(self, plan: OpPlan, call: _Call) -> tuple[list, dict]:
+        """The reference's inputs as they are before the op (written ones copied: the replays write them)."""
+        a, kw = (call.largs, call.lkw) if call.largs is not None else (call.sargs, call.skw)
+        a, kw = list(a), dict(kw)
+        for spec in plan.writes:
+            v = spec.get(a, kw)
+            if isinstance(v, torch.Tensor):
+                spec.put(a, kw, v.clone())
+            elif isinstance(v, list):
+                spec.put(a, kw, [t.clone() if isinstance(t, torch.Tensor) else t for t in v])
+        return a, kw
 
     def _shadow_arg(self, call: _Call, t: Any, write: bool, declared: bool) -> Any:
         if not isinstance(t, torch.Tensor):  # a Python scalar in a Tensor slot
@@ -240,8 +259,16 @@ class Engine:
                     flips += f[0]; lflips += f[1]  # noqa: E702
         drift = merged(drifts) if self.opt.drift else None
         local = merged(locals_) if self.opt.local else None
+        spot = self._spot_check(call, out, louts if louts is not None else souts) if call.spot is not None else None
         self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
-                     mismatch=mismatch, item=item, inputs=call.inputs)
+                     mismatch=mismatch, item=item, inputs=call.inputs, spot=spot)
+
+    def _spot_check(self, call: _Call, out: Any, refs: Any):
+        """mpmath check of sampled elements of the float64 reference the local error was measured against."""
+        plan = call.plan
+        dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
+        ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
+        return self.spot.check(plan.func, call.spot[0], call.spot[1], dev, ref, call.inputs[0].dtype)
 
     def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool,
                 drifts: list, locals_: list, keep: bool = True, dtype: torch.dtype | None = None) -> tuple[int, int, int]:
@@ -316,10 +343,10 @@ class Engine:
         self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=reason)
 
     def _record(self, plan: OpPlan, kind: Kind, args, kwargs, *, local=None, drift=None, flips=0, local_flips=0,
-                mismatch=0, item=None, reason="", inputs=()) -> None:
+                mismatch=0, item=None, reason="", inputs=(), spot=None) -> None:
         module, phase = self.attr.where(inputs)
         rec = Record(self._index, plan.name, module, phase, kind.value, local, drift, flips, local_flips, mismatch,
-                     item, reason)
+                     item, reason, spot)
         self._index += 1
         self.report.add(rec)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 FOLLOW = ("device", "reference")
 
@@ -17,6 +18,7 @@ class Options:
     drift: bool = True  # record the error accumulated since the start (device vs shadow)
     follow: str = "device"  # discrete results (indices, masks) downstream: the device's or the shadow's own
     max_records: int | None = None  # keep at most this many per-call records (aggregates cover all calls)
+    spot_checks: Any = "default"  # mpmath spot checks: "off" | "default" | int per call | {op: count} | "all"
 
     def __post_init__(self) -> None:
         for name in ("local", "drift"):
@@ -28,3 +30,6 @@ class Options:
             isinstance(self.max_records, bool) or not isinstance(self.max_records, int) or self.max_records < 0
         ):
             raise ShadowOptionError(f"max_records={self.max_records!r}: expected None (keep all) or an int >= 0")
+        from .spot import SpotPolicy  # spot imports this module: validate lazily
+
+        SpotPolicy.from_option(self.spot_checks)

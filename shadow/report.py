@@ -9,9 +9,10 @@ import os
 from typing import Any, Iterable
 
 from .metrics import ErrorStats
+from .spot import SpotStats
 
 FORMAT = "shadow-report"
-VERSION = 1
+VERSION = 2  # 2: spot checks on records and aggregates
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
@@ -36,6 +37,7 @@ class Record:
     shape_mismatch: int = 0  # outputs whose shape differed from the shadow's (device adopted)
     item: tuple[float, float] | None = None  # .item(): (device value, shadow value)
     reason: str = ""  # why an op was not replayed
+    spot: SpotStats | None = None  # mpmath spot check of the float64 reference (None: not sampled)
 
     @property
     def nonfinite(self) -> int:
@@ -45,6 +47,7 @@ class Record:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["local"] = self.local.to_dict() if self.local is not None else None
         d["drift"] = self.drift.to_dict() if self.drift is not None else None
+        d["spot"] = self.spot.to_dict() if self.spot is not None else None
         return d
 
     @classmethod
@@ -54,6 +57,7 @@ class Record:
         d["drift"] = ErrorStats(**_numbers(d["drift"])) if d.get("drift") is not None else None
         if d.get("item") is not None:
             d["item"] = tuple(_number(v) for v in d["item"])
+        d["spot"] = SpotStats.from_dict(d["spot"]) if d.get("spot") is not None else None
         return cls(**d)
 
 
@@ -70,6 +74,8 @@ class Aggregate:
     flips: int = 0
     nonfinite: int = 0
     first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
+    spot_checked: int = 0  # calls whose float64 reference was spot-checked with mpmath
+    spot_untrusted: int = 0  # ... and found less accurate than the device error needs
 
     def add(self, rec: Record) -> None:
         self.calls += 1
@@ -81,6 +87,9 @@ class Aggregate:
             self.max_drift_rel = max(self.max_drift_rel, rec.drift.rel_norm)
             self.max_drift_ulp = max(self.max_drift_ulp, rec.drift.max_ulp)
         self.flips += rec.flips
+        if rec.spot is not None and rec.spot.checked:
+            self.spot_checked += 1
+            self.spot_untrusted += not rec.spot.trusted
         nf = rec.nonfinite + (rec.local.nonfinite if rec.local is not None else 0)
         if nf:
             self.nonfinite += nf
@@ -168,6 +177,11 @@ class Report:
         """The first kept call where device and shadow disagree on NaN/Inf."""
         return next((r for r in self.records if r.nonfinite or (r.local is not None and r.local.nonfinite)), None)
 
+    def untrusted(self) -> list[Record]:
+        """Kept calls whose float64 reference a spot check found untrustworthy (cancellation): their
+        error figures are not to be believed; ``rec.spot`` has the error against the exact value."""
+        return [r for r in self.records if r.spot is not None and r.spot.checked and not r.spot.trusted]
+
     def find(self, op: str | None = None, module: str | None = None, phase: str | None = None) -> list[Record]:
         """Kept records matching every given field (op may be a prefix such as "aten.mm")."""
         return [
@@ -181,7 +195,8 @@ class Report:
     def table(self, by: str = "op", top: int | None = None) -> str:
         """A text table of the aggregates, worst local error first.
 
-        columns: calls, max local ulp, max drift rel_norm, flips, non-finite, unsupported calls."""
+        columns: calls, max local ulp, max drift rel_norm, flips, non-finite, unsupported calls, calls whose
+        float64 reference a spot check found untrustworthy (``!`` marks rows with any)."""
         tables = {"op": self.by_op, "module": self.by_module}
         if by not in tables:
             raise ValueError(f"table(by={by!r}): expected one of {sorted(tables)}")
@@ -189,12 +204,14 @@ class Report:
         if top is not None:
             rows = rows[:top]
         name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
-        head = f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'drift rel':>10}  {'flips':>6}  {'nonfin':>6}  {'unsup':>5}"
+        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'drift rel':>10}  {'flips':>6}  {'nonfin':>6}"
+                f"  {'unsup':>5}  {'untrust':>7}")
         lines = [head, "-" * len(head)]
         for key, a in rows:
             lines.append(
                 f"{key or '(none)':<{name_w}}  {a.calls:>6}  {_fmt(a.max_local_ulp):>10}  {_fmt(a.max_drift_rel):>10}"
                 f"  {a.flips:>6}  {a.nonfinite:>6}  {a.kinds.get('unsupported', 0):>5}"
+                f"  {(str(a.spot_untrusted) + ' !') if a.spot_untrusted else '0':>7}"
             )
         return "\n".join(lines)
 

@@ -376,7 +376,10 @@ def test_report_table_and_save_load_roundtrip(tmp_path):
     assert back.coverage == sm.report.coverage
     assert back.table() == text
     data = path.read_text()
-    path.write_text(data.replace('"version": 1', '"version": 99'))
+    from shadow.report import VERSION
+
+    assert f'"version": {VERSION}' in data
+    path.write_text(data.replace(f'"version": {VERSION}', '"version": 99'))
     with pytest.raises(shadow.ReportFormatError, match="version 99"):
         shadow.load_report(path)
     path.write_text('{"format": "other"}')

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,8 +42,10 @@ class ShadowMode:
         drift: bool = True,  # the error accumulated since the start: device vs shadow
         follow: str = "device",  # discrete results downstream: "device" (default) or "reference" (the shadow's own)
         max_records: int | None = None,  # cap on per-call records; aggregates always cover every call
+        spot_checks: Any = "default",  # mpmath checks of the float64 reference: "off", "default", n, {op: n}, "all"
     ):
-        self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records)
+        self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
+                               spot_checks=spot_checks)
         self._active = 0
         self.reset()
 
@@ -58,7 +62,8 @@ class ShadowMode:
         from .. import __version__
 
         return {"shadow": __version__, "torch": torch.__version__, "options": {
-            "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow}}
+            "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow,
+            "spot_checks": repr(self.options.spot_checks)}}
 
     def __enter__(self) -> ShadowMode:
         if self._active:
