@@ -7,19 +7,23 @@ and no error of its own ever reaches the user's program; every op is seen and re
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
 
 from .attribution import Attribution
+from .budgets import Budget, budget_for, effective_bits
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import Mirror, shadow_dtype_of
 from .options import Options
 from .replay import Kind, Replay, Unsupported, rule_chain, run_chain, view_rule
-from .report import Event, Record, Report, merged
+from .report import BudgetInfo, Event, Record, Report, merged
 from .schema import ArgKind, OpPlan, build_plan, flat_returns
 from .spot import SpotPolicy
 
+_INF = math.inf
 _no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
 
 
@@ -30,7 +34,7 @@ class _NoValues(Exception):
 class _Call:
     """What ``prepare`` built before the device op ran."""
 
-    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages", "spot")
+    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages", "pre", "spot")
 
     def __init__(self, plan: OpPlan, chain: tuple):
         self.plan = plan
@@ -42,7 +46,8 @@ class _Call:
         self.exact = True  # every shadow input equals the device's: local error = drift
         self.inputs: list[torch.Tensor] = []  # device tensors read (for optimizer naming)
         self.storages: set[int] = set()  # shadow storages of the inputs (an output aliasing one is copied)
-        self.spot: tuple[list, dict] | None = None  # the reference's inputs before the op, when spot-checked
+        self.pre: tuple[list, dict] | None = None  # the reference's inputs before the op (budgets, spot checks)
+        self.spot = False  # this call is spot-checked
 
 
 class Engine:
@@ -142,11 +147,13 @@ class Engine:
             call.largs, call.lkw = self._local_args(plan, args, kwargs, sargs, skw)
         dtype = call.inputs[0].dtype if call.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
-        if dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name):
-            call.spot = self._spot_inputs(plan, call)
+        spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
+        if spot or (self.opt.budgets and self.opt.local and dtype is not None):
+            call.pre = self._pre_inputs(plan, call)
+            call.spot = spot
         return call
 
-    def _spot_inputs(self, plan: OpPlan, call: _Call) -> tuple[list, dict]:
+    def _pre_inputs(self, plan: OpPlan, call: _Call) -> tuple[list, dict]:
         """The reference's inputs as they are before the op (written ones copied: the replays write them)."""
         a, kw = (call.largs, call.lkw) if call.largs is not None else (call.sargs, call.skw)
         a, kw = list(a), dict(kw)
@@ -223,8 +230,37 @@ class Engine:
         louts = None
         if call.largs is not None:
             _, louts = run_chain(call.chain, Replay(plan, call.largs, call.lkw, out))
+        results, item = self._results(call, args, kwargs, out, souts, louts)
+        budget = self._budget(call, results) if call.pre is not None else None
         drifts, locals_, flips, lflips, mismatch = [], [], 0, 0, 0
-        # written arguments: in-place and out= results
+        for d, sh, lo, written, bidx in results:
+            if isinstance(d, torch.Tensor):
+                f = self._output(call, d, sh, lo, written, drifts, locals_, budget=budget, bidx=bidx)
+            else:  # a number (.item(), equal): compared, never kept
+                dtype = next((t.dtype for t in call.inputs), torch.float64)
+                f = self._output(call, _scalar(d, dtype), _scalar(sh, dtype), None if lo is None else _scalar(lo, dtype),
+                                 False, drifts, locals_, keep=False, dtype=dtype)
+            flips += f[0]; lflips += f[1]; mismatch += f[2]  # noqa: E702
+        drift = merged(drifts) if self.opt.drift else None
+        local = merged(locals_) if self.opt.local else None
+        binfo = None
+        if budget is not None and local is not None:
+            if local.norm > 0:
+                local.effective_bits = effective_bits(local.norm ** 2, budget.scale_sq())
+            binfo = BudgetInfo(budget.kind, local.budget_used or 0.0, budget.is_default)
+        spot = self._spot_check(call, out, louts if louts is not None else souts) if call.spot else None
+        self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
+                     mismatch=mismatch, item=item, inputs=call.inputs, spot=spot, budget=binfo)
+
+    def _results(self, call: _Call, args, kwargs, out, souts, louts) -> tuple[list, Any]:
+        """(device, shadow, local, written, budget index) per result: written arguments (in-place, out=),
+        then fresh returns; and an .item()-like number pair. The budget index follows shadow.budgets: the
+        flattened returns (a written argument by the return aliasing it), or the written ones if none."""
+        plan = call.plan
+        dflat = flat_returns(plan, out)
+        has_returns = any(isinstance(t, torch.Tensor) for _, t in dflat)
+        ret_idx = {id(t): i for i, (_, t) in enumerate(dflat) if isinstance(t, torch.Tensor)}
+        results, w = [], 0
         for spec in plan.writes:
             dev = spec.get(args, kwargs)
             if dev is None:
@@ -236,42 +272,44 @@ class Engine:
                 lo = [None] * len(dev)
             for d, s, l in zip(dev, sh, lo):
                 if isinstance(d, torch.Tensor):
-                    f = self._output(call, d, s, l, True, drifts, locals_)
-                    flips += f[0]; lflips += f[1]; mismatch += f[2]  # noqa: E702
-        # fresh returns
+                    results.append((d, s, l, True, ret_idx.get(id(d)) if has_returns else w))
+                    w += 1
         item = None
         if plan.returns and not all(r.aliases_write or r.aliases_read for r in plan.returns):
-            dflat = flat_returns(plan, out)
             sflat = flat_returns(plan, souts)
             lflat = flat_returns(plan, louts) if louts is not None else [(None, None)] * len(dflat)
-            for (spec, d), (_, s), (_, l) in zip(dflat, sflat, lflat):
+            for i, ((spec, d), (_, s), (_, l)) in enumerate(zip(dflat, sflat, lflat)):
                 if spec.aliases_write or spec.aliases_read:
                     continue
                 if isinstance(d, torch.Tensor):
-                    f = self._output(call, d, s, l, False, drifts, locals_)
-                    flips += f[0]; lflips += f[1]; mismatch += f[2]  # noqa: E702
+                    results.append((d, s, l, False, i))
                 elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):  # .item(), equal
                     item = (d, s)
-                    dtype = next((t.dtype for t in call.inputs), torch.float64)
-                    f = self._output(call, _scalar(d, dtype), _scalar(s, dtype),
-                                     None if l is None else _scalar(l, dtype), False, drifts, locals_, keep=False,
-                                     dtype=dtype)
-                    flips += f[0]; lflips += f[1]  # noqa: E702
-        drift = merged(drifts) if self.opt.drift else None
-        local = merged(locals_) if self.opt.local else None
-        spot = self._spot_check(call, out, louts if louts is not None else souts) if call.spot is not None else None
-        self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
-                     mismatch=mismatch, item=item, inputs=call.inputs, spot=spot)
+                    results.append((d, s, l, False, None))
+        return results, item
+
+    def _budget(self, call: _Call, results: list) -> Budget | None:
+        """The op's error budget from its inputs before the op and the float64 results the local error is
+        measured against; None (no budget) where there is nothing to bound or no float results."""
+        refs: dict[int, Any] = {}
+        for d, sh, lo, _, bidx in results:
+            if bidx is not None and isinstance(d, torch.Tensor):
+                refs[bidx] = lo if isinstance(lo, torch.Tensor) else sh
+        if not refs:
+            return None
+        outs = [refs.get(i) for i in range(max(refs) + 1)]
+        return budget_for(call.plan.func, call.pre[0], call.pre[1], outs, call.inputs[0].dtype)
 
     def _spot_check(self, call: _Call, out: Any, refs: Any):
         """mpmath check of sampled elements of the float64 reference the local error was measured against."""
         plan = call.plan
         dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
         ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
-        return self.spot.check(plan.func, call.spot[0], call.spot[1], dev, ref, call.inputs[0].dtype)
+        return self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, call.inputs[0].dtype)
 
-    def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool,
-                drifts: list, locals_: list, keep: bool = True, dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+    def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool, drifts: list, locals_: list,
+                keep: bool = True, dtype: torch.dtype | None = None, budget: Budget | None = None,
+                bidx: int | None = None) -> tuple[int, int, int]:
         """Compare one device output with its shadow (and local) value and keep the shadow (``keep``).
         ``dtype``: the device dtype the error is measured in (default: dev's own)."""
         dtype = dtype or dev.dtype
@@ -298,12 +336,21 @@ class Engine:
         if sh.dtype != sd:
             sh = sh.to(sd)
         has_local = isinstance(lo, torch.Tensor)
+        # the bound of this result: none for ulps budgets (budget_used = max_ulp / ulps, no tensor needed)
+        bound = None
+        if budget is not None and bidx is not None and budget.ulps is None and self.opt.local:
+            bounds = budget.bound
+            bound = bounds[bidx] if bidx < len(bounds) else None
         # with every input exact (no local replay), the shadow comparison is the local error too
-        st = compare(dev, sh, dtype) if self.opt.drift or (self.opt.local and not has_local) else None
-        if self.opt.drift:
-            drifts.append(st)
+        shared = self.opt.local and not has_local
+        st = compare(dev, sh, dtype, bound if shared else None) if self.opt.drift or shared else None
         if self.opt.local:
-            locals_.append((compare(dev, lo, dtype) if lo.shape == dev.shape else ErrorStats()) if has_local else st)
+            loc = (compare(dev, lo, dtype, bound) if lo.shape == dev.shape else ErrorStats()) if has_local else st
+            if budget is not None and bidx is not None and budget.ulps is not None:
+                loc.budget_used = loc.max_ulp / budget.ulps if budget.ulps > 0 else (_INF if loc.max_abs else 0.0)
+            locals_.append(loc)
+        if self.opt.drift:
+            drifts.append(dataclasses.replace(st, budget_used=None) if shared and st.budget_used is not None else st)
         exact = st is not None and st.exact
         if not keep:
             return 0, 0, 0
@@ -343,10 +390,10 @@ class Engine:
         self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=reason)
 
     def _record(self, plan: OpPlan, kind: Kind, args, kwargs, *, local=None, drift=None, flips=0, local_flips=0,
-                mismatch=0, item=None, reason="", inputs=(), spot=None) -> None:
+                mismatch=0, item=None, reason="", inputs=(), spot=None, budget=None) -> None:
         module, phase = self.attr.where(inputs)
         rec = Record(self._index, plan.name, module, phase, kind.value, local, drift, flips, local_flips, mismatch,
-                     item, reason, spot)
+                     item, reason, spot, budget)
         self._index += 1
         self.report.add(rec)
 

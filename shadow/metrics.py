@@ -30,10 +30,17 @@ class ErrorStats:
     nonfinite_device: int = 0
     nonfinite_reference: int = 0
     nonfinite_mismatch: int = 0
+    norm: float = 0.0  # ||y - r||_2 over the finite elements (all outputs)
+    budget_used: float | None = None  # max(abs / bound) under the op's budget (shadow.budgets); > 1: over
+    effective_bits: float | None = None  # mantissa bits that explain the error under the budget's scale
 
     @property
     def nonfinite(self) -> int:
         return self.nonfinite_device + self.nonfinite_reference + self.nonfinite_mismatch
+
+    @property
+    def over_budget(self) -> bool:
+        return self.budget_used is not None and self.budget_used > 1.0
 
     @property
     def exact(self) -> bool:
@@ -43,6 +50,9 @@ class ErrorStats:
         self.max_abs = max(self.max_abs, other.max_abs)
         self.max_ulp = max(self.max_ulp, other.max_ulp)
         self.rel_norm = max(self.rel_norm, other.rel_norm)
+        self.norm = math.hypot(self.norm, other.norm)
+        if other.budget_used is not None:
+            self.budget_used = max(self.budget_used or 0.0, other.budget_used)
         self.n += other.n
         self.nonfinite_device += other.nonfinite_device
         self.nonfinite_reference += other.nonfinite_reference
@@ -118,20 +128,24 @@ def _real_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
-def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> ErrorStats:
-    """ErrorStats of a device result ``y`` (rounded to ``dtype``) against a float64 reference ``r``.
+def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.Tensor | None = None) -> ErrorStats:
+    """ErrorStats of a device result ``y`` (rounded to ``dtype``) against a float64 reference ``r``;
+    with an error ``bound`` (float64, broadcastable to r), also ``budget_used`` = max(abs / bound).
 
     >>> compare(torch.tensor([1.0 + 2**-23]), torch.tensor([1.0], dtype=torch.float64), torch.float32).max_ulp
     1.0
     """
     n = r.numel()
     if n == 0:
-        return ErrorStats()
+        return ErrorStats() if bound is None else ErrorStats(budget_used=0.0)
+    if bound is not None and bound.shape != r.shape:
+        bound = bound.expand(r.shape)
     if n <= _TINY:
-        return _compare_python(_flat_list(y), _flat_list(r), dtype, n)
+        return _compare_python(_flat_list(y), _flat_list(r), dtype, n, None if bound is None else _flat_list(bound))
     if y.is_complex() or r.is_complex() or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
-        return _compare_numpy(host(y).reshape(-1), host(r).reshape(-1), dtype, n)
-    return _compare_torch(y.detach(), r, dtype, n)
+        return _compare_numpy(host(y).reshape(-1), host(r).reshape(-1), dtype, n,
+                              None if bound is None else host(bound).reshape(-1))
+    return _compare_torch(y.detach(), r, dtype, n, bound)
 
 
 def _flat_list(t: torch.Tensor) -> list:
@@ -142,16 +156,17 @@ def _flat_list(t: torch.Tensor) -> list:
 
 def _finish(stats: ErrorStats, m: float, nd: float, nr: float, ulp_unit_max: float, dtype: torch.dtype) -> ErrorStats:
     stats.max_abs = m
+    stats.norm = nd
     stats.rel_norm = nd / nr if nr > 0 else _INF
     stats.max_ulp = ulp_unit_max * _consts(dtype)[1]
     return stats
 
 
-def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int) -> ErrorStats:
-    stats = ErrorStats(n=n)
+def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int, bl: list | None) -> ErrorStats:
+    stats = ErrorStats(n=n, budget_used=None if bl is None else 0.0)
     tiny, _ = _consts(dtype)
-    m = nd2 = nr2 = unit_max = 0.0
-    for a, b in zip(yl, rl):
+    m = nd2 = nr2 = unit_max = used = 0.0
+    for i, (a, b) in enumerate(zip(yl, rl)):
         d = abs(a - b)
         ab = abs(b)
         if d == 0.0:
@@ -175,8 +190,12 @@ def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int) -> ErrorStat
         nr2 += ab * ab
         # math.ulp(x) * 2**52 is 2**floor(log2 x) for normal float64 x: the spacing unit of _pow2_floor
         unit_max = max(unit_max, d / max(math.ulp(ab) * 4503599627370496.0, tiny))
+        if bl is not None:
+            used = max(used, d / bl[i] if bl[i] > 0 else _INF)
     if m == 0.0:
         return stats
+    if bl is not None:
+        stats.budget_used = used
     return _finish(stats, m, math.sqrt(nd2), math.sqrt(nr2), unit_max, dtype)
 
 
@@ -193,32 +212,36 @@ def _consts(dtype: torch.dtype) -> tuple[float, float]:
 
 
 @np.errstate(all="ignore")  # inf - inf and 0/0 are counted below, never printed into the user's stderr
-def _compare_numpy(yn: np.ndarray, rn: np.ndarray, dtype: torch.dtype, n: int) -> ErrorStats:
+def _compare_numpy(yn: np.ndarray, rn: np.ndarray, dtype: torch.dtype, n: int, bn: np.ndarray | None = None) -> ErrorStats:
     ad = np.abs(yn - rn)  # float64 (the modulus for complex results)
     m = float(ad.max())
-    stats = ErrorStats(n=n)
+    stats = ErrorStats(n=n, budget_used=None if bn is None else 0.0)
     if m == 0.0:
         return stats
     if not math.isfinite(m):
         both = _count_nonfinite(stats, yn, rn, np.isfinite, np.isnan, lambda b: int(np.count_nonzero(b)))
         ad, rn = ad[both], rn[both]
+        bn = bn[both] if bn is not None else None
         m = float(ad.max()) if ad.size else 0.0
         if m == 0.0:
             return stats
     ra = np.abs(rn)
+    if bn is not None:  # 0/0 (exact where the bound is 0) reads 0, x/0 inf
+        stats.budget_used = float(np.nan_to_num(ad / bn, nan=0.0).max())
     unit = np.maximum(_pow2_floor(ra, np), torch.finfo(_real_dtype(dtype)).tiny)
     norm = lambda a: math.sqrt(float(np.vdot(a, a)))  # noqa: E731
     return _finish(stats, m, norm(ad), norm(ra), float((ad / unit).max()), dtype)
 
 
-def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int) -> ErrorStats:
-    """Large real results: nine passes over reused buffers, on every core."""
+def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
+                   bound: torch.Tensor | None = None) -> ErrorStats:
+    """Large real results: nine passes over reused buffers (two more with a bound), on every core."""
     d, e = _scratch.get(r.shape, n)
     d.copy_(y)  # exact upcast, then the difference in place (a mixed-dtype sub is 3x slower)
     d.sub_(r)
     lo, hi = torch.aminmax(d)
     m = max(-lo.item(), hi.item())
-    stats = ErrorStats(n=n)
+    stats = ErrorStats(n=n, budget_used=None if bound is None else 0.0)
     if m == 0.0:
         return stats
     if not math.isfinite(m):  # rare: redo it on the elements where both are finite
@@ -226,7 +249,11 @@ def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int)
         both = _count_nonfinite(stats, yc, r, torch.isfinite, torch.isnan, lambda b: int(b.sum()))
         if not bool(both.any()):
             return stats
-        return _compare_torch_finite(stats, yc[both], r[both], dtype)
+        return _compare_torch_finite(stats, yc[both], r[both], dtype, None if bound is None else bound[both])
+    if bound is not None:
+        q = torch.div(d, bound, out=e.view(torch.float64)).nan_to_num_(nan=0.0)  # 0/0: exact where bound is 0
+        lo, hi = torch.aminmax(q)
+        stats.budget_used = max(-lo.item(), hi.item())
     nd, nr = torch.linalg.vector_norm(d).item(), torch.linalg.vector_norm(r).item()
     unit = torch.bitwise_and(r.view(torch.int64), _EXP_BITS, out=e).view(torch.float64)
     unit.clamp_min_(torch.finfo(dtype).tiny)  # spacing / 2**-p: a power of two, so the division is exact
@@ -234,11 +261,14 @@ def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int)
     return _finish(stats, m, nd, nr, max(-lo.item(), hi.item()), dtype)
 
 
-def _compare_torch_finite(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> ErrorStats:
+def _compare_torch_finite(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype,
+                          bound: torch.Tensor | None) -> ErrorStats:
     d = (y - r).abs_()
     m = d.max().item()
     if m == 0.0:
         return stats
+    if bound is not None:
+        stats.budget_used = (d / bound).nan_to_num_(nan=0.0).max().item()
     unit = _pow2_floor(r.abs(), torch).clamp_min_(torch.finfo(dtype).tiny)
     return _finish(stats, m, torch.linalg.vector_norm(d).item(), torch.linalg.vector_norm(r).item(),
                    (d / unit).max().item(), dtype)

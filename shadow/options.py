@@ -19,9 +19,10 @@ class Options:
     follow: str = "device"  # discrete results (indices, masks) downstream: the device's or the shadow's own
     max_records: int | None = None  # keep at most this many per-call records (aggregates cover all calls)
     spot_checks: Any = "default"  # mpmath spot checks: "off" | "default" | int per call | {op: count} | "all"
+    budgets: bool = True  # hold each local error to the op's a-priori error budget (shadow.budgets)
 
     def __post_init__(self) -> None:
-        for name in ("local", "drift"):
+        for name in ("local", "drift", "budgets"):
             if not isinstance(getattr(self, name), bool):
                 raise ShadowOptionError(f"{name}={getattr(self, name)!r}: expected True or False")
         if self.follow not in FOLLOW:

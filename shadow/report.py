@@ -12,12 +12,22 @@ from .metrics import ErrorStats
 from .spot import SpotStats
 
 FORMAT = "shadow-report"
-VERSION = 2  # 2: spot checks on records and aggregates
+VERSION = 3  # 2: spot checks; 3: error budgets
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
 class ReportFormatError(ValueError):
     """A file is not a shadow report this version can read."""
+
+
+@dataclasses.dataclass(slots=True)
+class BudgetInfo:
+    """The error budget a call's local error was held to (shadow.budgets): the rule family, how much of it
+    the local error used (max abs / bound; > 1 is over budget), and whether no rule knew the op."""
+
+    kind: str
+    used: float
+    is_default: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -38,6 +48,12 @@ class Record:
     item: tuple[float, float] | None = None  # .item(): (device value, shadow value)
     reason: str = ""  # why an op was not replayed
     spot: SpotStats | None = None  # mpmath spot check of the float64 reference (None: not sampled)
+    budget: BudgetInfo | None = None  # the error budget of the local error (None: budgets off or no float result)
+
+    @property
+    def over_budget(self) -> bool:
+        """The op's own error is above what a correct kernel in the device dtype may make."""
+        return self.budget is not None and self.budget.used > 1.0
 
     @property
     def nonfinite(self) -> int:
@@ -48,6 +64,7 @@ class Record:
         d["local"] = self.local.to_dict() if self.local is not None else None
         d["drift"] = self.drift.to_dict() if self.drift is not None else None
         d["spot"] = self.spot.to_dict() if self.spot is not None else None
+        d["budget"] = dataclasses.asdict(self.budget) if self.budget is not None else None
         return d
 
     @classmethod
@@ -58,6 +75,8 @@ class Record:
         if d.get("item") is not None:
             d["item"] = tuple(_number(v) for v in d["item"])
         d["spot"] = SpotStats.from_dict(d["spot"]) if d.get("spot") is not None else None
+        if d.get("budget") is not None:
+            d["budget"] = BudgetInfo(**{**d["budget"], "used": _number(d["budget"]["used"])})
         return cls(**d)
 
 
@@ -74,6 +93,8 @@ class Aggregate:
     flips: int = 0
     nonfinite: int = 0
     first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
+    max_budget_used: float = 0.0  # the worst local error as a fraction of its budget (> 1: over)
+    over_budget: int = 0  # calls over budget
     spot_checked: int = 0  # calls whose float64 reference was spot-checked with mpmath
     spot_untrusted: int = 0  # ... and found less accurate than the device error needs
 
@@ -87,6 +108,9 @@ class Aggregate:
             self.max_drift_rel = max(self.max_drift_rel, rec.drift.rel_norm)
             self.max_drift_ulp = max(self.max_drift_ulp, rec.drift.max_ulp)
         self.flips += rec.flips
+        if rec.budget is not None:
+            self.max_budget_used = max(self.max_budget_used, rec.budget.used)
+            self.over_budget += rec.budget.used > 1.0
         if rec.spot is not None and rec.spot.checked:
             self.spot_checked += 1
             self.spot_untrusted += not rec.spot.trusted
@@ -177,6 +201,11 @@ class Report:
         """The first kept call where device and shadow disagree on NaN/Inf."""
         return next((r for r in self.records if r.nonfinite or (r.local is not None and r.local.nonfinite)), None)
 
+    def over_budget(self) -> list[Record]:
+        """Kept calls whose local error exceeds the op's error budget, worst first: kernels less accurate
+        than the dtype allows (reduced-precision accumulation, TF32, approximate functions, bugs)."""
+        return sorted((r for r in self.records if r.over_budget), key=lambda r: -r.budget.used)
+
     def untrusted(self) -> list[Record]:
         """Kept calls whose float64 reference a spot check found untrustworthy (cancellation): their
         error figures are not to be believed; ``rec.spot`` has the error against the exact value."""
@@ -195,21 +224,24 @@ class Report:
     def table(self, by: str = "op", top: int | None = None) -> str:
         """A text table of the aggregates, worst local error first.
 
-        columns: calls, max local ulp, max drift rel_norm, flips, non-finite, unsupported calls, calls whose
-        float64 reference a spot check found untrustworthy (``!`` marks rows with any)."""
+        columns: calls, max local ulp, max budget used (``!``: some call over budget), max drift rel_norm,
+        flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
+        untrustworthy (``!`` marks rows with any)."""
         tables = {"op": self.by_op, "module": self.by_module}
         if by not in tables:
             raise ValueError(f"table(by={by!r}): expected one of {sorted(tables)}")
-        rows = sorted(tables[by].items(), key=lambda kv: (-kv[1].max_local_ulp, -kv[1].max_drift_rel, kv[0]))
+        rows = sorted(tables[by].items(),
+                      key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp, -kv[1].max_drift_rel, kv[0]))
         if top is not None:
             rows = rows[:top]
         name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
-        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'drift rel':>10}  {'flips':>6}  {'nonfin':>6}"
-                f"  {'unsup':>5}  {'untrust':>7}")
+        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'budget':>8}  {'drift rel':>10}  {'flips':>6}"
+                f"  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
         lines = [head, "-" * len(head)]
         for key, a in rows:
             lines.append(
-                f"{key or '(none)':<{name_w}}  {a.calls:>6}  {_fmt(a.max_local_ulp):>10}  {_fmt(a.max_drift_rel):>10}"
+                f"{key or '(none)':<{name_w}}  {a.calls:>6}  {_fmt(a.max_local_ulp):>10}"
+                f"  {_fmt(a.max_budget_used) + (' !' if a.over_budget else ''):>8}  {_fmt(a.max_drift_rel):>10}"
                 f"  {a.flips:>6}  {a.nonfinite:>6}  {a.kinds.get('unsupported', 0):>5}"
                 f"  {(str(a.spot_untrusted) + ' !') if a.spot_untrusted else '0':>7}"
             )
@@ -287,7 +319,7 @@ def _encode(x: Any) -> Any:
 
 
 def _number(x: Any) -> Any:
-    return float(x) if isinstance(x, str) else x  # "inf"/"nan" written by _encode
+    return float(x) if x in ("inf", "-inf", "nan") else x  # written by _encode
 
 
 def _numbers(d: dict) -> dict:

@@ -43,9 +43,10 @@ class ShadowMode:
         follow: str = "device",  # discrete results downstream: "device" (default) or "reference" (the shadow's own)
         max_records: int | None = None,  # cap on per-call records; aggregates always cover every call
         spot_checks: Any = "default",  # mpmath checks of the float64 reference: "off", "default", n, {op: n}, "all"
+        budgets: bool = True,  # hold each op's local error to its a-priori error budget
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
-                               spot_checks=spot_checks)
+                               spot_checks=spot_checks, budgets=budgets)
         self._active = 0
         self.reset()
 
