@@ -232,14 +232,17 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float) -> float:
     cancel, so the worst case overstates typical errors by ~K**1.5 for a matmul and the solved p would
     grow with K (17 bits at K=64, 26 at K=4096 for TF32 inputs); the rms model above does not.
 
-    Returns inf for an exact result and -inf for an error where the scale is 0.
+    Returns inf for an exact result, -inf for an error where the scale is 0, nan where the scale is not
+    finite (non-finite inputs).
 
     >>> round(effective_bits(KAPPA * 2.0**-22, 1.0), 6)   # errors of u = 2**-11 in rms: 10 bits
     10.0
     """
+    if not math.isfinite(scale_sq_sum) or math.isnan(err_sq_sum):
+        return math.nan
     if err_sq_sum <= 0.0:
         return math.inf
-    if scale_sq_sum <= 0.0:
+    if scale_sq_sum <= 0.0 or math.isinf(err_sq_sum):
         return -math.inf
     return -0.5 * math.log2(err_sq_sum / (KAPPA * scale_sq_sum)) - 1.0
 
@@ -303,6 +306,7 @@ def register_budget(*ops: OpOverload) -> Callable[[Rule], Rule]:
             if op in _EXACT:
                 raise DuplicateBudgetError(op, _EXACT[op])
             _EXACT[op] = rule
+        _rule_chain.cache_clear()
         return rule
 
     return deco
@@ -313,6 +317,7 @@ def register_budget_predicate(pred: Callable[[OpOverload], bool]) -> Callable[[R
 
     def deco(rule: Rule) -> Rule:
         _PREDICATES.append((pred, rule))
+        _rule_chain.cache_clear()
         return rule
 
     return deco
@@ -492,6 +497,9 @@ OPERAND_TERMS: dict[str, Callable[[BudgetCall], Any]] = {
     # g * (x / 3 + 1/2) on (-3, 3): cancels at x = -3/2
     "hardswish_backward": lambda c: 2 * c.u * c.a["grad_output"].abs() * (c.a["self"].abs() / 3 + 0.5),
     "softplus_backward": lambda c: 2 * c.u * c.a["grad_output"].abs(),
+    # g s (1 + x (1 - s)), s = sigmoid(x): cancels near x = -1.28
+    "silu_backward": lambda c: 4 * c.u * c.a["grad_output"].abs() * (1 + c.a["self"].abs()) * torch.sigmoid(c.a["self"]),
+    "mish_backward": lambda c: 4 * c.u * c.a["grad_output"].abs() * (1 + c.a["self"].abs()),
 }
 _SPECIAL_ABS = 16.0  # special functions near their zeros: an absolute floor of this many u
 
@@ -655,14 +663,19 @@ def _foreach_base(f: OpOverload) -> OpOverload | None:
 def foreach_budget(c: BudgetCall) -> Budget:
     """``_foreach_X``: element i of every list argument (tensor or scalar list) goes to X's rule."""
     base = _foreach_base(c.func)
-    args = [c.a[arg.name] for arg in c.func._schema.arguments]
+    schema = c.func._schema.arguments
+    args = [c.a[arg.name] for arg in schema if not arg.kwarg_only]
+    # keyword-only arguments (alpha of _foreach_add_.List) go by name: positions would drop them
+    base_kw = {a.name for a in base._schema.arguments if a.kwarg_only}
+    kwargs = {arg.name: c.a[arg.name] for arg in schema if arg.kwarg_only and arg.name in base_kw}
     n = len(c.outputs)
     subs = []
     for i in range(n):
         elems = [v[i] if isinstance(v, (list, tuple)) and len(v) == n else v for v in args]
         if c.func._schema.name.endswith("_norm"):  # (self[], ord, dtype) -> linalg_vector_norm(self, ord)
             elems = elems[:2]
-        subs.append(budget_for(base, elems[: len(base._schema.arguments)], {}, [c.outputs[i]], c.dtype))
+        kw = {k: (v[i] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in kwargs.items()}
+        subs.append(budget_for(base, elems[: len(base._schema.arguments)], kw, [c.outputs[i]], c.dtype))
     kinds = {b.kind for b in subs}
     ulps = {b.ulps for b in subs}
     return Budget(kinds.pop() if len(kinds) == 1 else "foreach", lambda: [b.bound[0] for b in subs],

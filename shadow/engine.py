@@ -231,7 +231,7 @@ class Engine:
         if call.largs is not None:
             _, louts = run_chain(call.chain, Replay(plan, call.largs, call.lkw, out))
         results, item = self._results(call, args, kwargs, out, souts, louts)
-        budget = self._budget(call, results) if call.pre is not None else None
+        budget = self._budget(call, results) if call.pre is not None and self.opt.budgets else None
         drifts, locals_, flips, lflips, mismatch = [], [], 0, 0, 0
         for d, sh, lo, written, bidx in results:
             if isinstance(d, torch.Tensor):
@@ -248,7 +248,7 @@ class Engine:
             if local.norm > 0:
                 local.effective_bits = effective_bits(local.norm ** 2, budget.scale_sq())
             binfo = BudgetInfo(budget.kind, local.budget_used or 0.0, budget.is_default)
-        spot = self._spot_check(call, out, louts if louts is not None else souts) if call.spot else None
+        spot = self._spot_check(call, out, louts if call.largs is not None else souts) if call.spot else None
         self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
                      mismatch=mismatch, item=item, inputs=call.inputs, spot=spot, budget=binfo)
 
@@ -265,7 +265,8 @@ class Engine:
             dev = spec.get(args, kwargs)
             if dev is None:
                 continue
-            sh, lo = spec.get(call.sargs, call.skw), (spec.get(call.largs, call.lkw) if louts is not None else None)
+            # the local replay ran when largs exist (louts is None too for in-place ops that return nothing)
+            sh, lo = spec.get(call.sargs, call.skw), (spec.get(call.largs, call.lkw) if call.largs is not None else None)
             if spec.kind is ArgKind.TENSOR:
                 dev, sh, lo = [dev], [sh], [lo]
             elif lo is None:
@@ -277,7 +278,7 @@ class Engine:
         item = None
         if plan.returns and not all(r.aliases_write or r.aliases_read for r in plan.returns):
             sflat = flat_returns(plan, souts)
-            lflat = flat_returns(plan, louts) if louts is not None else [(None, None)] * len(dflat)
+            lflat = flat_returns(plan, louts) if call.largs is not None else [(None, None)] * len(dflat)
             for i, ((spec, d), (_, s), (_, l)) in enumerate(zip(dflat, sflat, lflat)):
                 if spec.aliases_write or spec.aliases_read:
                     continue
