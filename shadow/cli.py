@@ -1,4 +1,4 @@
-"""The ``shadow`` command line: ``python -m shadow demo`` (``doctor`` and ``run`` come later).
+"""The ``shadow`` command line: ``python -m shadow demo``, ``python -m shadow doctor`` (``run`` comes later).
 
 The CLI is the one place that prints; library code returns objects and leaves rendering to its caller.
 Each subcommand is a function registered with ``@command``; ``main`` builds the parser from that table.
@@ -15,7 +15,9 @@ from typing import Callable, Sequence
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda", "mps")
+from . import devices as _devices
+
+DEVICES = ("auto",) + _devices.BACKENDS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -46,22 +48,6 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
     return register
 
 
-def available_devices() -> list[str]:
-    """The device types torch can use on this machine, best first (cpu always last)."""
-    found = []
-    if torch.cuda.is_available():
-        found.append("cuda")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        found.append("mps")
-    return found + ["cpu"]
-
-
-def best_device() -> torch.device:
-    """cuda if available, else mps, else cpu (a later ``shadow.devices`` takes this over)."""
-    return torch.device(available_devices()[0])
-
-
 # --- argument types: errors name what was expected and what came ---
 def _positive_int(text: str) -> int:
     try:
@@ -76,7 +62,8 @@ def _positive_int(text: str) -> int:
 # --- demo ---
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default="auto",
-                   help="where the model runs (default: auto = cuda, else mps, else cpu)")
+                   help="where the model runs (default: auto = the first available of "
+                        f"{', '.join(_devices.PREFERENCE)}; `shadow doctor` lists them)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the model's dtype (default: float32)")
     p.add_argument("--steps", type=_positive_int, default=2, help="optimizer steps to shadow (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for weights and data (default: 0)")
@@ -89,17 +76,20 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from .modes import ShadowMode
 
-    devices = available_devices()
+    backends = _devices.discover()
     if args.device == "auto":
-        device = best_device()
-    elif args.device in devices:
-        device = torch.device(args.device)
+        backend = _devices.choose(backends)
     else:
-        return _fail(f"demo: --device {args.device} is not available on this machine; available: "
-                     f"{', '.join(devices)} (or --device auto)")
+        backend = next(b for b in backends if b.name == args.device)
+        if not backend.available:
+            available = ", ".join(b.name for b in backends if b.available)
+            return _fail(f"demo: --device {args.device} is not available on this machine: {backend.reason}; "
+                         f"available: {available} (or --device auto)")
+    device = backend.torch_device()
     dtype = DTYPES[args.dtype]
-    if dtype == torch.float64 and device.type == "mps":
-        return _fail("demo: --dtype float64 is not supported on mps; use float32, bfloat16 or float16")
+    if dtype == torch.float64 and backend.float64 is False:
+        return _fail(f"demo: --dtype float64 is not supported on {backend.name} ({backend.device_name or device}); "
+                     "use float32, bfloat16 or float16")
 
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(
@@ -143,6 +133,58 @@ def _demo(args: argparse.Namespace) -> int:
         rep.save(args.save)
         print(f"report saved to {args.save}")
     return 0
+
+
+# --- doctor ---
+def _doctor_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the findings as JSON instead of text")
+
+
+@command("doctor", "list each device backend (cpu, cuda, mps, xpu, directml): available or why not, its name, "
+         "float64 support, and which one demo and run use", _doctor_arguments)
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+    import platform
+
+    backends = _devices.discover()
+    chosen = _devices.choose(backends)
+    numerics = _devices.numerics_settings()
+    if args.json:
+        print(json.dumps({"torch": torch.__version__, "python": platform.python_version(),
+                          "backends": [dataclasses.asdict(b) for b in backends], "uses": chosen.name,
+                          "numerics": numerics}, indent=2))
+        return 0
+    print(f"shadow doctor: torch {torch.__version__}, Python {platform.python_version()}, "
+          f"{platform.system()} {platform.machine()}")
+    print()
+    print(_doctor_table(backends))
+    print()
+    where = chosen.name if chosen.device == chosen.name else f"{chosen.name}, {chosen.device}"
+    print(f"demo and run will use: {where}" + (f" ({chosen.device_name})" if chosen.device_name else ""))
+    print()
+    print("numerics settings (recorded with each report):")
+    width = max(map(len, numerics), default=0)
+    for name, value in numerics.items():
+        print(f"  {name:<{width}}  {value}")
+    return 0
+
+
+def _doctor_table(backends: list) -> str:
+    """One line per backend, its reason wrapped and indented below it."""
+    import textwrap
+
+    rows = [("backend", "available", "device", "float64", "name")]
+    for b in backends:
+        f64 = "-" if b.float64 is None else ("yes" if b.float64 else "no")
+        rows.append((b.name, "yes" if b.available else "no", b.device or "-", f64, b.device_name or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
+        if i:
+            lines.extend(textwrap.wrap(backends[i - 1].reason, width=100, initial_indent="    ",
+                                       subsequent_indent="    ", break_long_words=False, break_on_hyphens=False))
+    return "\n".join(lines)
 
 
 def _rel_diff(p: torch.Tensor, s: torch.Tensor) -> float:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from . import _compat
+
 aten = torch.ops.aten
 
 
@@ -53,6 +55,7 @@ UNDECLARED_WRITES: dict[torch._ops.OpOverload, tuple[int, ...]] = {
 for _name in ("cudnn_batch_norm", "miopen_batch_norm"):
     if hasattr(aten, _name):
         UNDECLARED_WRITES[getattr(aten, _name).default] = (3, 4)
+UNDECLARED_WRITES.update(_compat.UNDECLARED_WRITES)  # older torch: rrelu_with_noise's noise (torch 2.4)
 
 _TENSOR_TYPES = {
     "Tensor": ArgKind.TENSOR,

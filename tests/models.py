@@ -172,6 +172,19 @@ def fused_unsupported(name: str, dtype: torch.dtype = torch.float32, device: str
     return None
 
 
+def dtype_unsupported(name: str, dtype: torch.dtype) -> str | None:
+    """Why this torch cannot train model ``name`` in ``dtype`` on the CPU (None: it can), e.g. torch 2.4.1's
+    oneDNN has no bfloat16 LSTM on CPUs without AVX512-BF16. Computed by one plain step, so a skip states
+    torch's own reason."""
+    model = build(name, dtype=dtype)
+    x, y = make_batches(name, 1, dtype=dtype)[0]
+    try:
+        loss_fn(name)(model(x), y).backward()
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"torch {torch.__version__}: {name} in {dtype} on this CPU: {' '.join(str(exc).split())[:200]}"
+    return None
+
+
 def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, accumulate: int = 1,
                 clip: float | None = None, clip_foreach: bool | None = None,

@@ -16,8 +16,8 @@ import torch
 
 from shadow import ShadowMode
 
-from models import IMPLS, MODELS, OPTIMIZERS, build, fused_unsupported, loss_fn, make_batches, make_optimizer, \
-    train_steps
+from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, fused_unsupported, loss_fn, make_batches, \
+    make_optimizer, train_steps
 
 STEPS = 3
 
@@ -131,6 +131,9 @@ def test_options_do_not_interfere(model_name, options):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_bit_identical_in_other_dtypes(model_name, dtype):
     """SGD (Adam's eps=1e-8 is 0 in float16, so a zero gradient gives 0/0: a true float16 NaN, not shadow's)."""
+    reason = dtype_unsupported(model_name, dtype)
+    if reason:
+        pytest.skip(reason)
     plain = _run(model_name, "sgd", "foreach", None, dtype=dtype)
     sm = ShadowMode()
     shadowed = _run(model_name, "sgd", "foreach", sm, dtype=dtype)

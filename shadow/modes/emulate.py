@@ -190,6 +190,7 @@ def _round_f64(s: torch.Tensor, fmt: Format, rounding: Rounding) -> torch.Tensor
     t = s / q  # an exact scaling: |t| < 2**precision
     if rounding is Rounding.NEAREST_EVEN:
         r = (t + _RNE_MAGIC) - _RNE_MAGIC  # half to even by float64's own rounding (|t| < 2**51); faster than round
+        r = torch.copysign(r, t)  # a negative value that rounds to 0 gives +0 above: -0 is the rounded value
     elif rounding is Rounding.NEAREST_AWAY:
         r = torch.copysign(torch.floor(t.abs() + 0.5), t)  # exact: |t| + 0.5 stays below 2**53
     else:

@@ -1,0 +1,57 @@
+"""The differences between the torch versions shadow supports (2.4.1, which torch-directml pins, to 2.13).
+
+Every version-dependent line of shadow lives here, each with the versions it tells apart, so that the
+rest of the code reads as if there were one torch. Tests that cannot run on an older torch skip with
+a reason computed from what is missing (``hasattr(aten, "_safe_softmax")``), not from version numbers.
+
+>>> dispatch_key_for_device("privateuseone")
+'PrivateUse1'
+"""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # (2, 4), (2, 13)
+
+# Device types whose dispatch key is not their name capitalized (torch < 2.1 had no
+# torch._C._dispatch_key_for_device; 2.4.1 and 2.13 both have it: this is only its fallback).
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU", "privateuseone": "PrivateUse1",
+                  "meta": "Meta", "hpu": "HPU", "mtia": "MTIA", "lazy": "Lazy", "xla": "XLA"}
+
+
+def dispatch_key_for_device(device_type: str) -> str:
+    """The backend dispatch key of a device type: "cuda" -> "CUDA", "privateuseone" (or the name it was
+    renamed to with ``torch.utils.rename_privateuse1_backend``) -> "PrivateUse1"."""
+    fn = getattr(torch._C, "_dispatch_key_for_device", None)
+    if fn is not None:
+        try:
+            return fn(device_type)
+        except RuntimeError:  # a device type this torch does not know
+            pass
+    if device_type == torch._C._get_privateuse1_backend_name():
+        return "PrivateUse1"
+    return _DISPATCH_KEYS.get(device_type, device_type.upper())
+
+
+def xpu_compiled() -> bool:
+    """Whether this torch was built with XPU (Intel GPU) support. torch.xpu exists from 2.4 on; ``_is_compiled``
+    is its only way to ask that does not initialize the device."""
+    xpu = getattr(torch, "xpu", None)
+    return xpu is not None and bool(getattr(xpu, "_is_compiled", lambda: False)())
+
+
+# --- schemas: kernels that write arguments their schema does not mark as written ---
+def _undeclared_writes() -> dict:
+    """Written-but-undeclared arguments of older schemas, by op: torch 2.4 declares rrelu_with_noise's
+    ``noise`` (the random slopes it fills in training) as a plain ``Tensor``; 2.5 made it ``Tensor(b!)``."""
+    found = {}
+    op = getattr(torch.ops.aten, "rrelu_with_noise", None)
+    if op is not None:
+        noise = op.default._schema.arguments[1]
+        if noise.name == "noise" and (noise.alias_info is None or not noise.alias_info.is_write):
+            found[op.default] = (1,)
+    return found
+
+
+UNDECLARED_WRITES = _undeclared_writes()

@@ -1,0 +1,478 @@
+"""Which devices torch can use on this machine, why the others cannot be used, and what runs where.
+
+``discover()`` probes each backend (cpu, cuda, mps, xpu, directml) and returns one ``Backend`` record
+each: available or not, the reason in plain words, the torch device, its name and whether it computes
+in float64. It never raises: a broken backend (a native library that fails to load, a driver error) is
+a finding, reported in ``reason``. ``choose()`` picks the device ``shadow demo`` and ``shadow run``
+use; ``python -m shadow doctor`` renders all of it.
+
+>>> [b.name for b in discover() if b.available]          # on a machine without GPU
+['cpu']
+>>> best_device()
+device(type='cpu')
+
+``cpu_fallback(func, device)`` tells whether an op on a device runs through the backend's CPU fallback
+(torch-directml 0.2.5 registers kernels for ~300 aten ops; 489 other overloads run that way, so their
+"device" numerics are the CPU's), and
+``numerics_settings()`` the process-wide switches (TF32, reduced-precision reductions, deterministic
+algorithms) that change a device's arithmetic: both belong in a report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from . import _compat
+
+BACKENDS = ("cpu", "cuda", "mps", "xpu", "directml")  # probed and listed in this order
+PREFERENCE = ("cuda", "mps", "xpu", "directml", "cpu")  # demo and run take the first available
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One backend as found on this machine.
+
+    >>> Backend("cpu", True, "2 threads", "cpu", "AMD EPYC", True).torch_device()
+    device(type='cpu')
+    """
+
+    name: str  # one of BACKENDS
+    available: bool
+    reason: str  # plain words: what was found, or why it cannot be used
+    device: str = ""  # the torch device: "cuda:0", "privateuseone:0" for DirectML; "" when unavailable
+    device_name: str = ""  # "NVIDIA H100 80GB HBM3", the CPU's model name...; "" when unknown
+    float64: bool | None = None  # whether the device computes in float64 (None: unavailable, or unknown)
+
+    def torch_device(self) -> torch.device:
+        """The device to put tensors on (raises ValueError for an unavailable backend)."""
+        if not self.available:
+            raise ValueError(f"backend {self.name!r} is not available: {self.reason}")
+        return torch.device(self.device)
+
+
+Probe = Callable[[], Backend]
+_PROBES: dict[str, Probe] = {}
+
+
+def _probe(name: str) -> Callable[[Probe], Probe]:
+    def register(fn: Probe) -> Probe:
+        if name in _PROBES:
+            raise ValueError(f"a probe for backend {name!r} is already registered ({_PROBES[name].__name__})")
+        if name not in BACKENDS:
+            raise ValueError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}")
+        _PROBES[name] = fn
+        return fn
+
+    return register
+
+
+def discover() -> list[Backend]:
+    """Probe every backend; one record each, in ``BACKENDS`` order. Never raises.
+
+    >>> {b.name: b.available for b in discover()}["cpu"]
+    True
+    """
+    found = []
+    for name in BACKENDS:
+        try:
+            with warnings.catch_warnings():  # reasons go into the record, not onto the user's terminal
+                warnings.simplefilter("ignore")
+                found.append(_PROBES[name]())
+        except Exception as exc:  # a broken backend is a finding, never an error
+            found.append(Backend(name, False, f"probing it failed: {_describe(exc)}"))
+    return found
+
+
+def choose(backends: list[Backend] | None = None) -> Backend:
+    """The backend ``shadow demo`` and ``shadow run`` use: the first available in ``PREFERENCE``."""
+    backends = discover() if backends is None else backends
+    by_name = {b.name: b for b in backends}
+    for name in PREFERENCE:
+        if name in by_name and by_name[name].available:
+            return by_name[name]
+    return next(b for b in backends if b.name == "cpu")
+
+
+def best_device() -> torch.device:
+    """cuda if available, else mps, else xpu, else DirectML, else cpu."""
+    return choose().torch_device()
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+def _import_module(name: str) -> Any:  # a seam for the tests: a fake torch_directml with an adapter
+    return importlib.import_module(name)
+
+
+# --- the probes ---
+@_probe("cpu")
+def _cpu() -> Backend:
+    isa = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else ""
+    reason = f"{torch.get_num_threads()} threads" + (f", vector instructions {isa}" if isa else "")
+    return Backend("cpu", True, reason, "cpu", _cpu_name(), True)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@_probe("cuda")
+def _cuda() -> Backend:
+    hip = getattr(torch.version, "hip", None)
+    api = f"ROCm (HIP {hip})" if hip else f"CUDA {torch.version.cuda}"
+    if not torch.backends.cuda.is_built():
+        return Backend("cuda", False, f"CUDA is not built into this torch ({torch.__version__}): install a CUDA "
+                                      "build of torch (https://pytorch.org/get-started/locally/)")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            n = torch.cuda.device_count()
+        except Exception as exc:
+            return Backend("cuda", False, f"this torch is built with {api}, but the driver failed: {_describe(exc)}")
+    if n == 0:
+        why = " ".join(str(caught[-1].message).split()) if caught else ""  # "CUDA initialization: ..."
+        if not why:  # the driver's own words: initialization names the cause (no driver, no device, a mismatch)
+            try:
+                torch.cuda.init()
+            except Exception as exc:
+                why = _describe(exc)
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if hidden is not None and not hidden.strip():
+            why = f"CUDA_VISIBLE_DEVICES is empty{'; ' + why if why else ''}"
+        return Backend("cuda", False, f"this torch is built with {api}, but finds no GPU" + (f": {why}" if why else ""))
+    i = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(i)
+    reason = f"{api}, {n} GPU{'s' if n > 1 else ''}; compute capability {props.major}.{props.minor}, " \
+             f"{props.total_memory / 2**30:.0f} GiB"
+    return Backend("cuda", True, reason, f"cuda:{i}", torch.cuda.get_device_name(i), True)
+
+
+@_probe("mps")
+def _mps() -> Backend:
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_built():
+        return Backend("mps", False, f"MPS is not built into this torch ({torch.__version__}): it exists in the "
+                                     "macOS builds only")
+    if not mps.is_available():
+        return Backend("mps", False, "this torch is built with MPS, but it is unavailable: it needs macOS 12.3 or "
+                                     "later on a Mac with Apple silicon or an AMD GPU")
+    return Backend("mps", True, "Metal Performance Shaders; no float64 on the device", "mps",
+                   f"Apple GPU ({platform.machine()})", False)
+
+
+@_probe("xpu")
+def _xpu() -> Backend:
+    if not _compat.xpu_compiled():
+        return Backend("xpu", False, f"XPU (Intel GPU) is not built into this torch ({torch.__version__}): install "
+                                     "an XPU build (https://pytorch.org/get-started/locally/)")
+    try:
+        n = torch.xpu.device_count()
+    except Exception as exc:
+        return Backend("xpu", False, f"this torch is built with XPU, but the driver failed: {_describe(exc)}")
+    if n == 0:
+        return Backend("xpu", False, "this torch is built with XPU, but finds no Intel GPU (check its driver and the "
+                                     "oneAPI runtime)")
+    i = torch.xpu.current_device()
+    props = torch.xpu.get_device_properties(i)
+    fp64 = getattr(props, "has_fp64", None)
+    return Backend("xpu", True, f"{n} Intel GPU{'s' if n > 1 else ''}", f"xpu:{i}", torch.xpu.get_device_name(i),
+                   None if fp64 is None else bool(fp64))
+
+
+@_probe("directml")
+def _directml() -> Backend:
+    if importlib.util.find_spec("torch_directml") is None:
+        return Backend("directml", False, "torch-directml is not installed (pip install torch-directml: it runs on "
+                                          f"Windows and WSL2 and pins torch==2.4.1; this torch is {torch.__version__})")
+    version, pin = _distribution("torch-directml")
+    installed = f"torch-directml {version}".rstrip()
+    mismatch = f"it is built for torch{pin} and this torch is {torch.__version__}" \
+        if pin and not _pin_matches(pin) else ""
+    found = _directml_child()
+    stage, error, crash = found.get("stage", ""), found.get("error", ""), found.get("crashed", "")
+    if stage == "load":  # libdirectml.so needs libd3d12.so, which only WSL2 provides (/usr/lib/wsl/lib)
+        return Backend("directml", False, f"{installed} is installed, but its native library failed to load: "
+                                          f"{error} (DirectML runs on Windows and WSL2 only"
+                                          f"{'; ' + mismatch if mismatch else ''})")
+    if stage == "import":
+        return Backend("directml", False, f"{installed} is installed, but importing it failed: {error}"
+                                          f"{' (' + mismatch + ')' if mismatch else ''}")
+    if stage == "loaded" and crash:
+        return Backend("directml", False, f"{installed} loaded, but found no DirectX 12 adapter: looking for one "
+                                          f"crashed the process ({crash})")
+    if stage == "count":  # DXCore could not enumerate adapters: no /dev/dxg, no driver
+        return Backend("directml", False, f"{installed} loaded, but found no DirectX 12 adapter"
+                                          f"{': ' + error if error else ''}")
+    if stage != "found":
+        return Backend("directml", False, f"{installed} is installed, but probing it "
+                                          f"{'crashed the process (' + crash + ')' if crash else 'failed: ' + error}")
+    try:  # an adapter exists: load the backend here too, so that tensors can go to the device
+        dml = _import_module("torch_directml")
+    except Exception as exc:
+        return Backend("directml", False, f"{installed} found an adapter in a child process, but importing it "
+                                          f"here failed: {_describe(exc)}")
+    n, fp64 = found["count"], bool(found["float64"])
+    reason = f"{installed}, {n} DirectX 12 adapter{'s' if n > 1 else ''}" + \
+        ("" if fp64 else "; no float64 on the device (shadows live on the CPU anyway)")
+    return Backend("directml", True, reason, str(dml.device(found["index"])), found["name"], fp64)
+
+
+# torch-directml is probed in a child process: without an adapter, its device_count() sometimes raises and
+# sometimes crashes the process with SIGSEGV (torch-directml 0.2.5 on Linux without /dev/dxg). Each line it
+# prints is the stage reached, so a crash still says where.
+_DIRECTML_CHILD = r"""
+import json, sys
+def say(**kw): print(json.dumps(kw), flush=True)
+def describe(e):
+    t = " ".join(str(e).split())
+    return f"{type(e).__name__}: {t[:300]}" if t else type(e).__name__
+try:
+    import torch_directml as d
+except OSError as e:
+    say(stage="load", error=describe(e)); sys.exit()
+except Exception as e:
+    say(stage="import", error=describe(e)); sys.exit()
+say(stage="loaded")
+try:
+    n = d.device_count()
+except Exception as e:
+    say(stage="count", error=describe(e)); sys.exit()
+if not n:
+    say(stage="count", error=""); sys.exit()
+i = d.default_device()
+say(stage="found", count=n, index=i, name=d.device_name(i), float64=bool(d.has_float64_support(i)))
+"""
+
+
+@functools.lru_cache(maxsize=None)  # adapters do not come and go within a process
+def _directml_child(timeout: float = 300) -> dict:
+    """What a child process importing torch_directml reached: {"stage": ..., "error": ..., "crashed": ...}."""
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", _DIRECTML_CHILD], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"stage": "", "error": f"the probe took over {timeout:.0f} s"}
+    found: dict = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            found = json.loads(line)
+    if proc.returncode < 0:
+        try:
+            found["crashed"] = f"signal {-proc.returncode}, {signal.Signals(-proc.returncode).name}"
+        except ValueError:
+            found["crashed"] = f"signal {-proc.returncode}"
+    elif proc.returncode and not found:
+        tail = " ".join(proc.stderr.split())[-300:]
+        found = {"stage": "", "error": f"exit status {proc.returncode}: {tail}"}
+    return found
+
+
+def _distribution(name: str) -> tuple[str, str]:
+    """(version, the torch requirement such as "==2.4.1") of an installed distribution; "" where unknown."""
+    try:
+        version = importlib.metadata.version(name)
+        requires = importlib.metadata.requires(name) or []
+    except importlib.metadata.PackageNotFoundError:
+        return "", ""
+    for req in requires:
+        m = re.match(r"torch\s*([<>=!~].*?)\s*(;|$)", req)
+        if m:
+            return version, m.group(1).replace(" ", "")
+    return version, ""
+
+
+def _pin_matches(pin: str) -> bool:
+    if not pin.startswith("=="):
+        return True  # a range: not worth a parser here; the import's own error says more
+    return torch.__version__.split("+")[0] == pin[2:]
+
+
+# --- which kernel runs an op on a device ---
+class KernelSource(str, enum.Enum):
+    """Where an op's kernel comes from on a device, read from the dispatcher's registrations."""
+
+    DEVICE = "device"  # a kernel registered for the device's dispatch key (structured ops: for their out= form)
+    COMPOSITE = "composite"  # a composite kernel: the ops it calls (not seen by a dispatch mode) decide
+    FALLBACK = "fallback"  # no kernel of the device's own: the backend's fallback runs it (on the CPU)
+
+
+def kernel_source(func: torch._ops.OpOverload, device: torch.device | str) -> KernelSource:
+    """How ``func`` runs on ``device``'s type; cached per op and device type.
+
+    Read the way the dispatcher fills its table for the device's key: a kernel registered for the key
+    itself, else a CompositeExplicitAutogradNonFunctional kernel (what structured ops such as
+    ``add.Tensor`` get: it allocates and calls ``add.out``, so the answer is the out= form's), else a
+    CompositeExplicitAutograd or CompositeImplicitAutograd kernel (composite: it runs other ops),
+    else the backend's fallback (DirectML and MPS: on the CPU). A few composites known to end in one op
+    the backend may register are followed (``convolution`` -> ``convolution_overrideable`` on PrivateUse1).
+    The CPU and meta devices are their own.
+    The cache assumes registrations are complete, as they are once a tensor exists on the device.
+
+    >>> kernel_source(torch.ops.aten.linear.default, "privateuseone")
+    <KernelSource.COMPOSITE: 'composite'>
+    """
+    device_type = torch.device(device).type
+    if device_type in ("cpu", "meta"):
+        return KernelSource.DEVICE
+    return _kernel_source(func, _compat.dispatch_key_for_device(device_type))
+
+
+# Composite ops whose kernel, on a backend without one of its own, ends in a single op that the backend may
+# register (at::_convolution picks the "overrideable" convolution for PrivateUse1 devices): follow it.
+_aten = torch.ops.aten
+_COMPOSITE_ROUTES = {
+    ("PrivateUse1", _aten.convolution.default): _aten.convolution_overrideable.default,
+    ("PrivateUse1", _aten.convolution_backward.default): _aten.convolution_backward_overrideable.default,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_source(func: torch._ops.OpOverload, key: str) -> KernelSource:
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = func.name()
+    try:
+        if has(name, key):
+            return KernelSource.DEVICE
+    except RuntimeError:  # a TorchScript-only overload (aten::__and__.bool): the dispatcher never runs it
+        return KernelSource.DEVICE
+    if (key, func) in _COMPOSITE_ROUTES:
+        return _kernel_source(_COMPOSITE_ROUTES[key, func], key)
+    if has(name, "CompositeExplicitAutogradNonFunctional"):
+        out = _out_variant(func)
+        return _kernel_source(out, key) if out is not None else KernelSource.COMPOSITE
+    if has(name, "CompositeExplicitAutograd") or has(name, "CompositeImplicitAutograd"):
+        return KernelSource.COMPOSITE
+    return KernelSource.FALLBACK
+
+
+def _out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The out= overload that a structured op's default kernel calls: same inputs, plus written out tensors
+    (``add.Tensor`` and ``add_.Tensor`` -> ``add.out``)."""
+    ins = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = getattr(torch.ops, func.namespace, None)
+    base = func._overloadpacket.__name__
+    base = base[:-1] if base.endswith("_") and not base.endswith("__") else base  # add_ -> add
+    packet = getattr(packet, base, None) if packet is not None else None
+    if packet is None:
+        return None
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        if op is func or not op._schema.is_mutable:
+            continue
+        args = op._schema.arguments
+        is_out = [a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in args]
+        rest = [(a.name, str(a.type)) for a, o in zip(args, is_out) if not o]
+        if any(is_out) and rest == ins:
+            return op
+    return None
+
+
+def cpu_fallback(func: torch._ops.OpOverload, device: torch.device | str) -> bool:
+    """Whether ``func`` on ``device`` runs through the backend's CPU fallback rather than a device kernel
+    (so its "device" result is the CPU's arithmetic). Composite ops count as not falling back: the ops
+    they call are the ones that do or not.
+
+    >>> cpu_fallback(torch.ops.aten.mm.default, "cpu")
+    False
+    """
+    return kernel_source(func, device) is KernelSource.FALLBACK
+
+
+# --- process-wide numerics switches ---
+def _attr(path: str) -> Callable[[], Any]:
+    def get() -> Any:
+        obj: Any = torch
+        for part in path.split(".")[1:]:
+            obj = getattr(obj, part)
+        return obj
+
+    return get
+
+
+def _call(path: str) -> Callable[[], Any]:
+    return lambda: _attr(path)()()
+
+
+# name -> reader; a name whose API this torch lacks is left out. The fp32_precision API (torch >= 2.9)
+# sits beside the legacy flags; after the new API has been used, reading a legacy flag may raise.
+NUMERICS: dict[str, Callable[[], Any]] = {
+    **{f"{p}()": _call(p) for p in (
+        "torch.get_float32_matmul_precision",
+        "torch.are_deterministic_algorithms_enabled",
+        "torch.is_deterministic_algorithms_warn_only_enabled",
+        "torch.backends.cuda.flash_sdp_enabled",
+        "torch.backends.cuda.mem_efficient_sdp_enabled",
+        "torch.backends.cuda.math_sdp_enabled",
+        "torch.backends.cuda.cudnn_sdp_enabled",
+        "torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed",
+    )},
+    **{p: _attr(p) for p in (
+        "torch.backends.cuda.matmul.allow_tf32",
+        "torch.backends.cudnn.allow_tf32",
+        "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+        "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+        "torch.backends.cuda.matmul.allow_fp16_accumulation",
+        "torch.backends.fp32_precision",
+        "torch.backends.cuda.matmul.fp32_precision",
+        "torch.backends.cudnn.fp32_precision",
+        "torch.backends.cudnn.conv.fp32_precision",
+        "torch.backends.cudnn.rnn.fp32_precision",
+        "torch.backends.mkldnn.fp32_precision",
+        "torch.backends.mkldnn.matmul.fp32_precision",
+        "torch.backends.mkldnn.conv.fp32_precision",
+        "torch.backends.mkldnn.rnn.fp32_precision",
+        "torch.backends.cudnn.enabled",
+        "torch.backends.cudnn.deterministic",
+        "torch.backends.cudnn.benchmark",
+    )},
+}
+
+
+def numerics_settings() -> dict[str, Any]:
+    """The process-wide switches that change a device's arithmetic, as this torch reports them: TF32 for
+    matmuls and cuDNN (``torch.backends.cudnn.allow_tf32`` is True by default: convolutions run in TF32 on
+    Ampere and later unless turned off), reduced-precision reductions, the SDPA kernels allowed, and
+    deterministic algorithms. Never raises: a setting that cannot be read is given as "error: ...".
+
+    >>> numerics_settings()["torch.backends.cudnn.allow_tf32"]     # doctest: +SKIP
+    True
+    """
+    out: dict[str, Any] = {}
+    for name, read in NUMERICS.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                value = read()
+        except AttributeError:  # not in this torch
+            continue
+        except Exception as exc:  # e.g. a legacy TF32 flag read after the fp32_precision API was used
+            value = f"error: {_describe(exc)}"
+        out[name] = value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+    return out
