@@ -15,6 +15,7 @@ import torch
 
 from .attribution import Attribution
 from .budgets import Budget, budget_for, effective_bits
+from .devices import cpu_fallback
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import Mirror, shadow_dtype_of
 from .options import Options
@@ -393,8 +394,9 @@ class Engine:
     def _record(self, plan: OpPlan, kind: Kind, args, kwargs, *, local=None, drift=None, flips=0, local_flips=0,
                 mismatch=0, item=None, reason="", inputs=(), spot=None, budget=None) -> None:
         module, phase = self.attr.where(inputs)
+        fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
         rec = Record(self._index, plan.name, module, phase, kind.value, local, drift, flips, local_flips, mismatch,
-                     item, reason, spot, budget)
+                     item, reason, spot, budget, fallback)
         self._index += 1
         self.report.add(rec)
 

@@ -49,6 +49,7 @@ class Record:
     reason: str = ""  # why an op was not replayed
     spot: SpotStats | None = None  # mpmath spot check of the float64 reference (None: not sampled)
     budget: BudgetInfo | None = None  # the error budget of the local error (None: budgets off or no float result)
+    cpu_fallback: bool = False  # the backend ran this op through its CPU fallback (DirectML): CPU arithmetic
 
     @property
     def over_budget(self) -> bool:

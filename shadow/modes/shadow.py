@@ -62,7 +62,9 @@ class ShadowMode:
     def _meta(self) -> dict:
         from .. import __version__
 
-        return {"shadow": __version__, "torch": torch.__version__, "options": {
+        from ..devices import numerics_settings
+
+        return {"shadow": __version__, "torch": torch.__version__, "numerics": numerics_settings(), "options": {
             "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow,
             "spot_checks": repr(self.options.spot_checks)}}
 
