@@ -36,6 +36,10 @@ def transformer() -> tuple[nn.Module, torch.Tensor]:
     return nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True), torch.randn(16, 128, 256)
 
 
+# drift only; drift + local error; each without budgets and spot checks (measured apart, below)
+DRIFT = dict(local=False, budgets=False, spot_checks="off")
+BOTH = dict(budgets=False, spot_checks="off")
+
 MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer}
 
 
@@ -85,10 +89,11 @@ def bench_model(name: str, device: str, reps: int) -> dict:
     f64_model, f64_x = copy.deepcopy(model).to("cpu", torch.float64), x.to("cpu", torch.float64)
     native = _time(_step_fn(model, x), device, reps)
     f64 = _time(_step_fn(f64_model, f64_x), "cpu", reps)
-    drift_mode = ShadowMode(local=False)
-    drift = _time(_step_fn(copy.deepcopy(model), x), device, reps, drift_mode)
-    both_mode = ShadowMode()
+    drift = _time(_step_fn(copy.deepcopy(model), x), device, reps, ShadowMode(**DRIFT))
+    both_mode = ShadowMode(**BOTH)
     both = _time(_step_fn(copy.deepcopy(model), x), device, reps, both_mode)
+    budgets = _time(_step_fn(copy.deepcopy(model), x), device, reps, ShadowMode(**{**BOTH, "budgets": True}))
+    full = _time(_step_fn(copy.deepcopy(model), x), device, reps, ShadowMode())
     mem = both_mode.memory()
     return {
         "model": name,
@@ -96,8 +101,12 @@ def bench_model(name: str, device: str, reps: int) -> dict:
         "f64_ms": f64 * 1e3,
         "drift_ms": drift * 1e3,
         "both_ms": both * 1e3,
+        "budgets_ms": budgets * 1e3,
+        "full_ms": full * 1e3,
         "drift_ratio": drift / (native + f64),  # target <= 1.3
         "both_ratio": both / (native + 2 * f64),  # target <= 1.3
+        "budget_share": (budgets - both) / (both - native),  # budget work over the replay work; target <= 0.25
+        "spot_share": (full - budgets) / full,  # default spot checks over the shadowed step; target <= 0.10
         "ops_per_step": both_mode.report.coverage.calls // (reps + 1),
         "memory_ratio": mem["shadow_bytes"] / max(1, mem["device_bytes"]),  # target <= 2.1
     }
@@ -113,8 +122,8 @@ def bench_per_op(device: str, n: int = 2000, reps: int = 5) -> dict:
             y = y * 1.0001
 
     native = _time(chain, device, reps)
-    drift = _time(chain, device, reps, ShadowMode(local=False))
-    both = _time(chain, device, reps, ShadowMode())
+    drift = _time(chain, device, reps, ShadowMode(**DRIFT))
+    both = _time(chain, device, reps, ShadowMode(**BOTH))
     return {
         "native_us": native / n * 1e6,
         "drift_overhead_us": (drift - native) / n * 1e6,  # target <= 30
@@ -139,6 +148,10 @@ def main() -> None:
             f"drift {r['drift_ms']:8.1f} ms ({r['drift_ratio']:.2f}x of native+f64)  "
             f"drift+local {r['both_ms']:8.1f} ms ({r['both_ratio']:.2f}x of native+2 f64)  "
             f"{r['ops_per_step']} ops/step  shadow memory {r['memory_ratio']:.2f}x"
+        )
+        print(
+            f"{'':<30} + budgets {r['budgets_ms']:8.1f} ms ({r['budget_share']:.0%} of the replay work)  "
+            f"+ default spot checks {r['full_ms']:8.1f} ms ({r['spot_share']:.0%} of the step)"
         )
     per_op = bench_per_op(args.device)
     print(
