@@ -35,7 +35,8 @@ class _NoValues(Exception):
 class _Call:
     """What ``prepare`` built before the device op ran."""
 
-    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages", "pre", "spot")
+    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages", "pre", "spot",
+                 "cpu")
 
     def __init__(self, plan: OpPlan, chain: tuple):
         self.plan = plan
@@ -49,6 +50,7 @@ class _Call:
         self.storages: set[int] = set()  # shadow storages of the inputs (an output aliasing one is copied)
         self.pre: tuple[list, dict] | None = None  # the reference's inputs before the op (budgets, spot checks)
         self.spot = False  # this call is spot-checked
+        self.cpu: tuple[list, dict] | None = None  # compare_cpu: the device's inputs on the CPU, own dtypes
 
 
 class Engine:
@@ -152,7 +154,23 @@ class Engine:
         if spot or (self.opt.budgets and self.opt.local and dtype is not None):
             call.pre = self._pre_inputs(plan, call)
             call.spot = spot
+        if self.opt.compare_cpu and self.opt.local and dtype is not None:
+            call.cpu = self._cpu_inputs(plan, args, kwargs)
         return call
+
+    def _cpu_inputs(self, plan: OpPlan, args, kwargs) -> tuple[list, dict]:
+        """The device's inputs on the CPU in their own dtypes (copies: the CPU kernel may write them)."""
+        a, kw = list(args), dict(kwargs)
+        for spec in plan.tensor_args:
+            v = spec.get(args, kwargs)
+            if isinstance(v, torch.Tensor):
+                spec.put(a, kw, v.detach().to("cpu", copy=True))
+            elif isinstance(v, list):
+                spec.put(a, kw, [t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t for t in v])
+        for spec in plan.remap_args:
+            if isinstance(spec.get(args, kwargs), torch.device):
+                spec.put(a, kw, torch.device("cpu"))
+        return a, kw
 
     def _pre_inputs(self, plan: OpPlan, call: _Call) -> tuple[list, dict]:
         """The reference's inputs as they are before the op (written ones copied: the replays write them)."""
@@ -250,8 +268,33 @@ class Engine:
                 local.effective_bits = effective_bits(local.norm ** 2, budget.scale_sq())
             binfo = BudgetInfo(budget.kind, local.budget_used or 0.0, budget.is_default)
         spot = self._spot_check(call, out, louts if call.largs is not None else souts) if call.spot else None
+        cpu = self._cpu_error(call, results) if call.cpu is not None and kind is not Kind.RANDOM else None
         self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
-                     mismatch=mismatch, item=item, inputs=call.inputs, spot=spot, budget=binfo)
+                     mismatch=mismatch, item=item, inputs=call.inputs, spot=spot, budget=binfo, cpu=cpu)
+
+    def _cpu_error(self, call: _Call, results: list) -> ErrorStats | None:
+        """compare_cpu: the op's CPU kernel in the device dtype, on the device's inputs, against the same
+        float64 reference as the local error (the verdict msprobe and dynamo's same(fp64_ref) use).
+        Random ops never get here: the CPU kernel would draw from the CPU generator."""
+        plan, (a, kw) = call.plan, call.cpu
+        try:
+            out = plan.func(*a, **kw)
+        except Exception:  # no CPU kernel for this dtype (a device-only kernel): no comparison
+            return None
+        flat = [t for _, t in flat_returns(plan, out)]
+        if not any(isinstance(t, torch.Tensor) for t in flat):  # in-place ops that return nothing
+            flat = []
+            for spec in plan.writes:
+                v = spec.get(a, kw)
+                flat.extend([v] if spec.kind is ArgKind.TENSOR else (v or []))
+        stats = []
+        for d, sh, lo, _, bidx in results:
+            if bidx is None or bidx >= len(flat) or not isinstance(d, torch.Tensor) or shadow_dtype_of(d.dtype) is None:
+                continue
+            ref, c = lo if isinstance(lo, torch.Tensor) else sh, flat[bidx]
+            if isinstance(c, torch.Tensor) and isinstance(ref, torch.Tensor) and c.shape == ref.shape:
+                stats.append(compare(c, ref, d.dtype))
+        return merged(stats)
 
     def _results(self, call: _Call, args, kwargs, out, souts, louts) -> tuple[list, Any]:
         """(device, shadow, local, written, budget index) per result: written arguments (in-place, out=),
@@ -392,11 +435,11 @@ class Engine:
         self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=reason)
 
     def _record(self, plan: OpPlan, kind: Kind, args, kwargs, *, local=None, drift=None, flips=0, local_flips=0,
-                mismatch=0, item=None, reason="", inputs=(), spot=None, budget=None) -> None:
+                mismatch=0, item=None, reason="", inputs=(), spot=None, budget=None, cpu=None) -> None:
         module, phase = self.attr.where(inputs)
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
         rec = Record(self._index, plan.name, module, phase, kind.value, local, drift, flips, local_flips, mismatch,
-                     item, reason, spot, budget, fallback)
+                     item, reason, spot, budget, fallback, cpu)
         self._index += 1
         self.report.add(rec)
 

@@ -20,9 +20,10 @@ class Options:
     max_records: int | None = None  # keep at most this many per-call records (aggregates cover all calls)
     spot_checks: Any = "default"  # mpmath spot checks: "off" | "default" | int per call | {op: count} | "all"
     budgets: bool = True  # hold each local error to the op's a-priori error budget (shadow.budgets)
+    compare_cpu: bool = False  # also run each op on the CPU in the device's dtype: device error / CPU error
 
     def __post_init__(self) -> None:
-        for name in ("local", "drift", "budgets"):
+        for name in ("local", "drift", "budgets", "compare_cpu"):
             if not isinstance(getattr(self, name), bool):
                 raise ShadowOptionError(f"{name}={getattr(self, name)!r}: expected True or False")
         if self.follow not in FOLLOW:

@@ -50,6 +50,17 @@ class Record:
     spot: SpotStats | None = None  # mpmath spot check of the float64 reference (None: not sampled)
     budget: BudgetInfo | None = None  # the error budget of the local error (None: budgets off or no float result)
     cpu_fallback: bool = False  # the backend ran this op through its CPU fallback (DirectML): CPU arithmetic
+    cpu: ErrorStats | None = None  # compare_cpu=True: the CPU kernel's own error, same dtype, same reference
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """Device error / CPU error on the same inputs in the same dtype (max abs): ~1 means the device
+        kernel is as accurate as PyTorch's CPU kernel; >> 1, less accurate than the dtype allows in practice."""
+        if self.cpu is None or self.local is None:
+            return None
+        if self.cpu.max_abs == 0.0:
+            return 1.0 if self.local.max_abs == 0.0 else math.inf
+        return self.local.max_abs / self.cpu.max_abs
 
     @property
     def over_budget(self) -> bool:
@@ -67,6 +78,7 @@ class Record:
         d["drift"] = self.drift.to_dict() if self.drift is not None else None
         d["spot"] = self.spot.to_dict() if self.spot is not None else None
         d["budget"] = dataclasses.asdict(self.budget) if self.budget is not None else None
+        d["cpu"] = self.cpu.to_dict() if self.cpu is not None else None
         return d
 
     @classmethod
@@ -77,6 +89,7 @@ class Record:
         if d.get("item") is not None:
             d["item"] = tuple(_number(v) for v in d["item"])
         d["spot"] = SpotStats.from_dict(d["spot"]) if d.get("spot") is not None else None
+        d["cpu"] = ErrorStats(**_numbers(d["cpu"])) if d.get("cpu") is not None else None
         if d.get("budget") is not None:
             d["budget"] = BudgetInfo(**{**d["budget"], "used": _number(d["budget"]["used"])})
         return cls(**d)

@@ -46,6 +46,10 @@ def test_linear_vs_matmul_results_differ_but_each_is_accurate(linear_vs_matmul):
     # spacing is 2**(17-23) = 0.015625; they differ by a whole number of those spacings.
     assert diff_abs > 0.01 and diff_ulp >= 1
     assert diff_abs / 0.015625 == pytest.approx(round(diff_abs / 0.015625))
+    # each path's ops are within shadow's float32 error budgets: the matmul uses a small fraction of
+    # gamma_k * |x||W|^T; the separate bias add of x @ W.T + B at most half an ulp of its 2-ulp budget
+    used = floats(rf"\[ok\] .*: every op within its float32 error budget \(worst uses {NUM} of it\)", out)
+    assert len(used) == 2 and all(0 < u <= 1 for (u,) in used), out
     e2e = floats(rf"result vs float64: max {NUM} abs = {NUM} ulp of \|exact\| = {NUM} ulp of sum\|terms\|", out)
     assert len(e2e) == 2
     for err_abs, err_ulp, err_ulp_terms in e2e:

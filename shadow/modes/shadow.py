@@ -44,9 +44,10 @@ class ShadowMode:
         max_records: int | None = None,  # cap on per-call records; aggregates always cover every call
         spot_checks: Any = "default",  # mpmath checks of the float64 reference: "off", "default", n, {op: n}, "all"
         budgets: bool = True,  # hold each op's local error to its a-priori error budget
+        compare_cpu: bool = False,  # also run each op on the CPU in the device dtype: record.cpu, record.cpu_ratio
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
-                               spot_checks=spot_checks, budgets=budgets)
+                               spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu)
         self._active = 0
         self.reset()
 
