@@ -6,14 +6,26 @@ float64), its float64 reference outputs, its shapes and the unit roundoff of the
 
     u(float32) = 2**-24   u(bfloat16) = 2**-8   u(float16) = 2**-11   u(float64) = 2**-53
 
-Reductions and matmuls are bounded with the accumulation precision ``ua`` PyTorch's kernels use for the
-dtype (its "opmath" type: float32 for bfloat16 and float16, the dtype itself otherwise), plus one final
-rounding of the result at ``u``. A kernel that accumulates in float16 is therefore over the float16
-budget: that is what the budget is for.
+Families (kind) and what "correct" means for each:
+
+- ``elementwise``/``movement``: a few ulps of the result (``ULPS``: movement 1, arithmetic 2,
+  transcendental 4, special functions 64, other pointwise-tagged ops 4), plus, for formulas PyTorch's
+  kernels evaluate with cancellation (gelu for x << 0, logit near 1/2, add with alpha, floor division near
+  integers...), a term relative to the operands (``OPERAND_TERMS``). Calibrated on OpInfo in float32,
+  bfloat16 and float16 (tests/test_budgets.py).
+- ``reduction``, ``matmul``, ``conv``, ``norm``, ``attention``: Higham's worst case for any summation
+  order, gamma_n(ua) * sum|terms|, with ``ua`` the accumulation precision torch uses for the dtype (its
+  opmath type: float32 for bfloat16 and float16), plus one rounding of the result at ``u``. A kernel
+  that accumulates long sums in float16 is therefore over the float16 budget: that is what the budget is
+  for. Short sums (pooling, interpolation, scatter) are bounded at ``u``: CPU kernels round them in the
+  device dtype.
+- ``loss``: per-element terms at ``u``, then the reduction at ``ua``.
+- ``unbounded``: linear algebra whose error depends on the inputs' conditioning (bound = inf).
+- ``default``: an op no rule knows: ``DEFAULT_ULPS`` ulps of the result, ``is_default=True``.
 
 Lookup order (as in ``torch/_subclasses/fake_impls.py``): the exact-op table, then predicates (tags,
 op-name families), then one explicit default. A rule returns a :class:`Budget`, or ``NotImplemented`` to
-fall through.
+fall through. ``dtype`` is the dtype the error is measured in: the output's (for a cast, the target).
 
 >>> import torch
 >>> aten = torch.ops.aten
@@ -25,7 +37,10 @@ fall through.
 0.0
 
 Error units (DESIGN.md): ``budget_used = max(abs / bound)``; ``effective_bits`` is defined in
-:func:`effective_bits`.
+:func:`effective_bits`. Cost: for matmul, convolution and attention the bound avoids a second product
+(Cauchy-Schwarz norms: ~10-30% of the float64 replay for large operands); memory-bound ops (sums,
+norms, softmax) need a few passes over their data, more than their one-pass fused replay; ulps budgets
+cost nothing when the caller already has max_ulp (``budget_used = max_ulp / ulps``).
 """
 
 from __future__ import annotations
@@ -33,7 +48,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -49,10 +65,10 @@ __all__ = [
     "budget_for",
     "budget_used",
     "effective_bits",
+    "gamma",
     "register_budget",
     "register_budget_predicate",
     "unit_roundoff",
-    "gamma",
 ]
 
 
@@ -111,7 +127,7 @@ class Budget:
     True
     """
 
-    __slots__ = ("kind", "is_default", "ulps", "_bound", "_make", "_scale_sq", "_outputs", "_dtype")
+    __slots__ = ("_bound", "_dtype", "_make", "_outputs", "_scale_sq", "is_default", "kind", "ulps")
 
     def __init__(self, kind: str, bound: Sequence[torch.Tensor | None] | Callable[[], Sequence] | None, *,
                  outputs: Sequence[Any], dtype: torch.dtype, is_default: bool = False,
@@ -371,7 +387,7 @@ def budget_for(func: OpOverload, args: Sequence, kwargs: dict, outputs: Sequence
     raise AssertionError("default_budget never falls through")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rule_chain(func: OpOverload) -> tuple[Rule, ...]:
     chain = [_EXACT[func]] if func in _EXACT else []
     chain.extend(rule for pred, rule in _PREDICATES if pred(func))
@@ -429,7 +445,7 @@ MOVEMENT = frozenset(overloads(
     "embedding", "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d",
     "adaptive_max_pool3d", "fractional_max_pool2d", "fractional_max_pool3d", "max_unpool2d", "max_unpool3d",
     "abs", "neg", "sign", "floor", "ceil", "trunc", "frac", "positive", "conj_physical", "copysign",
-    "nextafter", "heaviside", "nan_to_num", "select_backward", "slice_backward", "diagonal_backward",
+    "heaviside", "nan_to_num", "select_backward", "slice_backward", "diagonal_backward",
     "as_strided_scatter", "select_scatter", "slice_scatter", "diagonal_scatter", "tril", "triu",
     "masked_select", "take", "take_along_dim", "_unsafe_index", "index_copy", "index_fill", "narrow_copy",
     "lift_fresh_copy", "detach_copy", "alias_copy", "expand_copy", "permute_copy", "view_copy", "unfold_copy",
@@ -438,13 +454,15 @@ MOVEMENT = frozenset(overloads(
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
     "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_local_scalar_dense", "diag_embed", "diag",
     "im2col", "channel_shuffle", "pixel_shuffle", "pixel_unshuffle", "native_channel_shuffle",
-    "hardshrink", "_unsafe_masked_index",
+    "hardshrink", "_unsafe_masked_index", "_unsafe_view", "zero", "_reshape_alias", "_to_dense", "to_dense",
+    "_to_copy", "lift_fresh",
 ))
 
 # Unit-of-ulps constants per elementwise family (calibrated: see tests/test_budgets.py).
 ARITH = ("mul", "true_divide", "reciprocal", "sqrt", "rsqrt", "square", "deg2rad", "rad2deg", "ldexp",
          "leaky_relu", "leaky_relu_backward", "relu6", "hardswish", "hardsigmoid", "hardswish_backward",
-         "hardsigmoid_backward", "kron", "float_power", "softshrink", "round", "sgn")
+         "hardsigmoid_backward", "kron", "float_power", "softshrink", "round", "sgn",
+         "nextafter")  # nextafter: the float64 replay steps by a float64 ulp, the device by its own
 TRANSCENDENTAL = (
     "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin", "acos", "atan",
     "atan2", "arctan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf", "erfc", "gelu",
@@ -694,8 +712,8 @@ def _reduced(x: torch.Tensor, dim: Any, keepdim: bool, fn: Callable) -> tuple[to
 
 
 def _sum_abs(x, dims=None, keepdim=False):
-    a = x.abs()
-    return a if dims is None else a.sum(dims, keepdim=keepdim)
+    # one pass, no |x| temporary: as cheap as the replayed sum itself
+    return x.abs() if dims is None else torch.linalg.vector_norm(x, 1, dims, keepdim=keepdim)
 
 
 def _nansum_abs(x, dims=None, keepdim=False):
@@ -867,7 +885,11 @@ def softmax_budget(c: BudgetCall) -> Budget:
     n = _softmax_n(c)
     rel = c.ua * (math.log(max(n, 1)) + _EXP_ULPS + 2) + gamma(n, c.ua)
     # final(y, 2): the CPU kernels store exp(x - m) in the output dtype, then divide in place: two roundings
-    return c.budget("reduction", lambda: [c.final(y, 2.0) + c.ua * torch.special.entr(y) + rel * y])
+    def make():  # y >= 0: three passes over y
+        b = torch.add(torch.full((), 2 * c.floor(), dtype=torch.float64), y, alpha=rel + 2 * c.u)
+        return [b.add_(torch.special.entr(y), alpha=c.ua)]
+
+    return c.budget("reduction", make)
 
 
 @register_budget(*overloads("_log_softmax", "log_softmax", "special_log_softmax"))
@@ -880,7 +902,9 @@ def log_softmax_budget(c: BudgetCall) -> Budget:
     const = c.ua * (math.log(max(n, 1)) + 2 * _EXP_ULPS) + gamma(n, c.ua)
     # ... and may round S itself (>= 1, so log S moves by u): u * (|x_i - z_i| + 2)
     lse_term = (lambda: c.u * ((x - z).abs() + 2)) if c.u != c.ua else (lambda: 0.0)
-    return c.budget("reduction", lambda: [torch.add(c.final(z, 2.0) + const, z.abs(), alpha=2 * c.ua) + lse_term()])
+    return c.budget("reduction", lambda: [
+        torch.add(torch.full((), 2 * c.floor() + const, dtype=torch.float64), z.abs(), alpha=2 * c.u + 2 * c.ua) +
+        lse_term()])
 
 
 @register_budget(*overloads("_softmax_backward_data"))
@@ -916,11 +940,14 @@ def log_softmax_backward_budget(c: BudgetCall) -> Budget:
 EXACT_MAGNITUDE_MACS = 1 << 16
 
 
-def _mm_magnitude(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """An upper bound of |A| @ |B| (batched on leading dims): exact when small, Cauchy-Schwarz else."""
+def _mm_magnitude(A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, base: Any = 0.0) -> torch.Tensor:
+    """base + scale * (an upper bound of |A| @ |B|), batched on leading dims: exact when small,
+    Cauchy-Schwarz else (one fused pass over the M x N result)."""
     if A.numel() and B.numel() and A.numel() * B.shape[-1] <= EXACT_MAGNITUDE_MACS:
-        return A.abs() @ B.abs()
-    return torch.linalg.vector_norm(A, dim=-1, keepdim=True) * torch.linalg.vector_norm(B, dim=-2, keepdim=True)
+        return torch.add(base, A.abs() @ B.abs(), alpha=scale)
+    na = torch.linalg.vector_norm(A, dim=-1, keepdim=True) * scale
+    nb = torch.linalg.vector_norm(B, dim=-2, keepdim=True)
+    return torch.addcmul(torch.as_tensor(base, dtype=torch.float64), na, nb)
 
 
 def _mm_scale_sq(A: torch.Tensor, B: torch.Tensor) -> float:
@@ -947,12 +974,11 @@ def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: A
 
     def make():
         g = gamma(K + (2 if use_bias or alpha != 1 else 0), c.ua)
-        mag = _mm_magnitude(A, B)
         base = torch.full((), c.floor(), dtype=torch.float64)
         # beta and alpha may be rounded to the device dtype (bf16 addmm does): one u each where they scale
         if use_bias:
             base = base + ((g + (2 * c.u if beta != 1 else 0)) * abs(beta)) * bias.abs()
-        out = torch.add(base, mag, alpha=(g + (2 * c.u if alpha != 1 else 0)) * abs(alpha))
+        out = _mm_magnitude(A, B, (g + (2 * c.u if alpha != 1 else 0)) * abs(alpha), base)
         out = out.reshape(r.shape) if out.numel() == r.numel() else out.expand(r.shape)
         return [_out_rounding(c, r, out)]
 
@@ -1045,32 +1071,31 @@ def _conv_K(w: torch.Tensor, transposed: bool, groups: int) -> int:
     return (w.shape[0] // groups if transposed else w.shape[1]) * k
 
 
-def _conv_magnitude(x: torch.Tensor, w: torch.Tensor, a: dict) -> torch.Tensor:
-    """An upper bound of |x| conv |w|: exact when small; else Cauchy-Schwarz per output: the norm of the
-    input window (a convolution of x**2 with a ones kernel, one output channel per group: 1/C_out of the
-    op's work) times the norm of the output channel's filter."""
+def _conv_magnitude(x: torch.Tensor, w: torch.Tensor, a: dict, scale: float = 1.0) -> torch.Tensor:
+    """scale * an upper bound of |x| conv |w|: exact when small; else Cauchy-Schwarz per output: the norm
+    of the input window times the norm of the output channel's filter. Window norms: x**2 summed over each
+    group's channels, then a ones kernel (one channel in, one out, per group): ~1/(C_in C_out) of the op's
+    work; the result is one fused pass over the output."""
     stride, padding, dilation, transposed, output_padding, groups = _conv_args(a)
-    out_numel_per_co = None
     macs = x.shape[0] * _conv_K(w, transposed, groups) * (w.shape[1] * groups if transposed else w.shape[0])
     conv = functools.partial(aten.convolution.default, stride=stride, padding=padding, dilation=dilation,
                              transposed=transposed, output_padding=output_padding, groups=groups)
     if macs * 64 <= EXACT_MAGNITUDE_MACS:  # tiny: the exact magnitude costs less than the bookkeeping
-        return conv(x.abs(), w.abs(), None)
-    del out_numel_per_co
+        return conv(x.abs(), w.abs(), None) * scale
     ks = w.shape[2:]
     if transposed:
         c_out = w.shape[1] * groups
-        ones = torch.ones((w.shape[0], 1, *ks), dtype=torch.float64)
         wn = w.abs().square().reshape(groups, w.shape[0] // groups, w.shape[1], -1).sum((1, 3))  # [g, C_out/g]
     else:
         c_out = w.shape[0]
-        ones = torch.ones((groups, w.shape[1], *ks), dtype=torch.float64)
         wn = w.abs().square().reshape(groups, c_out // groups, -1).sum(-1)  # [g, C_out/g]
-    xn = conv(x.abs().square(), ones, None).sqrt()  # [N, g, *out]
+    N, c_in = x.shape[0], x.shape[1]
+    xs = x.abs().square().reshape(N, groups, c_in // groups, *x.shape[2:]).sum(2)  # [N, g, *in]
+    xn = conv(xs, torch.ones((groups, 1, *ks), dtype=torch.float64), None).sqrt_()  # [N, g, *out]
     spatial = xn.shape[2:]
-    xn = xn.reshape(xn.shape[0], groups, 1, *spatial)
-    wn = wn.sqrt().reshape(1, groups, c_out // groups, *([1] * len(spatial)))
-    return (xn * wn).reshape(xn.shape[0], c_out, *spatial)
+    xn = xn.reshape(N, groups, 1, *spatial)
+    wn = (wn.sqrt() * scale).reshape(1, groups, c_out // groups, *([1] * len(spatial)))
+    return (xn * wn).reshape(N, c_out, *spatial)
 
 
 @register_budget(*overloads("convolution", "_convolution"))
@@ -1084,10 +1109,9 @@ def conv_budget(c: BudgetCall) -> Budget:
 
     def make():
         g = gamma(K + (1 if bias is not None else 0), c.ua)
-        mag = _conv_magnitude(x, w, c.a)
-        if bias is not None:
-            mag = mag + bias.abs().reshape(1, -1, *([1] * (mag.dim() - 2)))
-        return [_out_rounding(c, r, torch.add(torch.full((), c.floor(), dtype=torch.float64), mag, alpha=g))]
+        b = _conv_magnitude(x, w, c.a, g)
+        extra = c.floor() + (g * bias.abs().reshape(1, -1, *([1] * (b.dim() - 2))) if bias is not None else 0.0)
+        return [_out_rounding(c, r, b.add_(extra))]
 
     def scale_sq():
         # sum over outputs of sum over terms of x^2 w^2, by linearity: conv(sum_n x^2, sum_co w^2)
@@ -1215,17 +1239,22 @@ def embedding_bag_backward_budget(c: BudgetCall) -> Budget:
 
 
 # --- normalization: composed first-order bounds, written once over a "statistics view" ---
+# The bounds are per statistics group (a row for layer norm, a channel for batch norm) times |weight|, from
+# a few read-only reductions (extremes and norms of x and of the gradient), so their cost stays near the
+# fused kernels' own; per element they are looser where |xhat| is below its group's largest.
 @dataclasses.dataclass(slots=True)
 class _NormView:
     """x as [..] with the statistics (mean, rstd) and the affine parameters broadcastable to it:
     layer norm [R, n] / [R, 1] / [1, n]; batch norm [N, C, L] / [1, C, 1] / [1, C, 1];
     group norm [N, G, C/G, L] / [N, G, 1, 1] / [1, G, C/G, 1]."""
 
+    kind: str  # "ln", "bn", "gn"
     x: torch.Tensor
     stat_shape: tuple
     param_shape: tuple
     stat_dims: tuple  # reduced for the statistics (n elements)
     param_dims: tuple  # reduced for weight/bias gradients (R elements)
+    k: int = 0  # layer norm: number of normalized dims
 
     @property
     def n(self) -> int:
@@ -1241,20 +1270,43 @@ class _NormView:
     def param(self, t: Any) -> Any:
         return None if t is None else t.reshape(self.param_shape)
 
+    def to_output(self, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """A bound computed in this view, reshaped to broadcast against an output of ``shape``."""
+        if t.numel() == math.prod(shape):
+            return t.reshape(shape)
+        if self.kind == "ln":
+            return t.reshape(*shape[: len(shape) - self.k], *([1] * self.k))
+        if self.kind == "bn":
+            return t.reshape(1, shape[1], *([1] * (len(shape) - 2)))
+        full = t.expand(self.x.shape[0], self.x.shape[1], self.x.shape[2], 1)  # gn: per (n, channel)
+        return full.reshape(shape[0], shape[1], *([1] * (len(shape) - 2)))
+
+    def xhat_max(self, mu: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+        """max |x - mean| * rstd per group, from the group's extremes (read-only passes)."""
+        return _absmax(self.x, self.stat_dims, mu) * rstd
+
+
+def _absmax(t: torch.Tensor, dims: Sequence[int], center: Any = 0.0) -> torch.Tensor:
+    """max |t - center| over dims (keepdim), from two read-only reductions; 0 for empty groups."""
+    if t.numel() == 0:
+        return torch.zeros([1 if i in dims else s for i, s in enumerate(t.shape)], dtype=torch.float64)
+    return torch.maximum(t.amax(dims, keepdim=True) - center, center - t.amin(dims, keepdim=True))
+
 
 def _ln_view(x: torch.Tensor, normalized_shape: Sequence[int]) -> _NormView:
     n = math.prod(normalized_shape)
     R = x.numel() // max(n, 1)
-    return _NormView(x.reshape(R, n), (R, 1), (1, n), (1,), (0,))
+    return _NormView("ln", x.reshape(R, n), (R, 1), (1, n), (1,), (0,), len(normalized_shape))
 
 
 def _bn_view(x: torch.Tensor) -> _NormView:
     N, C = x.shape[0], x.shape[1]
-    return _NormView(x.reshape(N, C, -1), (1, C, 1), (1, C, 1), (0, 2), (0, 2))
+    return _NormView("bn", x.reshape(N, C, math.prod(x.shape[2:])), (1, C, 1), (1, C, 1), (0, 2), (0, 2))
 
 
 def _gn_view(x: torch.Tensor, N: int, C: int, G: int) -> _NormView:
-    return _NormView(x.reshape(N, G, C // G, -1), (N, G, 1, 1), (1, G, C // G, 1), (2, 3), (0, 3))
+    L = x.numel() // max(N * C, 1)
+    return _NormView("gn", x.reshape(N, G, C // G, L), (N, G, 1, 1), (1, G, C // G, 1), (2, 3), (0, 3))
 
 
 def _norm_forward(c: BudgetCall, v: _NormView, y: torch.Tensor, mu: torch.Tensor, rstd: torch.Tensor,
@@ -1264,12 +1316,12 @@ def _norm_forward(c: BudgetCall, v: _NormView, y: torch.Tensor, mu: torch.Tensor
     mean: gamma_n(ua) * mean|x| <= gamma_n(ua) * sqrt(mean^2 + var). rstd: relative 0.5 * the variance's,
     which is gamma_{2n+4}(ua) * (mean^2 + var) / (var + eps) (as for ``var``: covers one-pass forms), plus
     the rsqrt. y: the kernels compute x * (rstd w) + (b - mean rstd w), so the roundings are relative to
-    |x| rstd |w| <= (|xhat| + 2|mean| rstd) |w|, not to |xhat w|."""
-    yv = y.reshape(v.x.shape)
+    |x| rstd |w| <= (|xhat| + 2|mean| rstd) |w|, and reduced-precision kernels normalize with the mean and
+    rstd they return, rounded to the device dtype (bf16 batch norm does): one more u on each. With X the
+    group's largest |xhat| (|y - b| <= X |w|):
+        |dy| <= |w| (dmu rstd + (3 ua + u) |mean| rstd + (rho + 2 u + 6 ua) X) + (4 ua + u) |b|."""
     mu, rstd = v.stat(mu), v.stat(rstd)
-    wa = v.param(w).abs() if w is not None else 1.0
-    ya = yv.abs()
-    yc = (yv - v.param(b)).abs() if b is not None else ya  # |xhat * w|
+    X = v.xhat_max(mu, rstd)
     if stats_computed:
         n = v.n
         var = (rstd.pow(-2) - eps).clamp_min(0.0)
@@ -1279,13 +1331,16 @@ def _norm_forward(c: BudgetCall, v: _NormView, y: torch.Tensor, mu: torch.Tensor
     else:  # statistics given (eval batch norm): only the rsqrt of var + eps
         dmu = torch.zeros_like(mu)
         rho = torch.full_like(rstd, 3 * c.ua)
-    # Reduced-precision kernels normalize with the statistics they return, rounded to the device dtype
-    # (bf16 batch norm does): one more u on mean and rstd.
-    A = (dmu + (3 * c.ua + c.u) * mu.abs()) * rstd
-    by = wa * A + (rho + c.u + 4 * c.ua) * yc + 2 * c.ua * ya + c.final(yv)
+    group = (dmu + (3 * c.ua + c.u) * mu.abs()) * rstd + (rho + 2 * c.u + 6 * c.ua) * X
+    base = torch.full((), c.floor(), dtype=torch.float64)
     if b is not None:
-        by = by + 2 * c.ua * v.param(b).abs()
-    return by.reshape(y.shape), dmu, rho * rstd
+        base = base + (4 * c.ua + c.u) * v.param(b).abs()
+    by = torch.addcmul(base, v.param(w).abs(), group) if w is not None else group + base
+    return v.to_output(by, y.shape), dmu, rho * rstd
+
+
+def _stat_bounds(c: BudgetCall, v: _NormView, mu: torch.Tensor, rstd: torch.Tensor, dmu: Any, drstd: Any) -> list:
+    return [(dmu + c.final(v.stat(mu))).reshape(mu.shape), (drstd + c.final(v.stat(rstd))).reshape(rstd.shape)]
 
 
 @register_budget(*overloads("native_layer_norm"))
@@ -1295,7 +1350,7 @@ def layer_norm_budget(c: BudgetCall) -> Budget:
 
     def make():
         by, dmu, drstd = _norm_forward(c, v, y, mu, rstd, c.a.get("weight"), c.a.get("bias"), c.a["eps"], True)
-        return [by, (dmu + c.final(v.stat(mu))).reshape(mu.shape), (drstd + c.final(v.stat(rstd))).reshape(rstd.shape)]
+        return [by, *_stat_bounds(c, v, mu, rstd, dmu, drstd)]
 
     return c.budget("norm", make)
 
@@ -1307,7 +1362,7 @@ def group_norm_budget(c: BudgetCall) -> Budget:
 
     def make():
         by, dmu, drstd = _norm_forward(c, v, y, mu, rstd, c.a.get("weight"), c.a.get("bias"), c.a["eps"], True)
-        return [by, (dmu + c.final(v.stat(mu))).reshape(mu.shape), (drstd + c.final(v.stat(rstd))).reshape(rstd.shape)]
+        return [by, *_stat_bounds(c, v, mu, rstd, dmu, drstd)]
 
     return c.budget("norm", make)
 
@@ -1328,7 +1383,7 @@ def batch_norm_budget(c: BudgetCall, *, training: bool | None = None) -> Budget:
             mu, rstd = a["running_mean"], (a["running_var"] + eps).rsqrt()
         by, dmu, drstd = _norm_forward(c, v, y, mu, rstd, a.get("weight"), a.get("bias"), eps, bool(train))
         out = [by]
-        for i, (t, d) in enumerate(((c.out(1), dmu), (c.out(2), drstd)), start=1):
+        for t, d in ((c.out(1), dmu), (c.out(2), drstd)):
             out.append((d + c.final(v.stat(t))).reshape(t.shape) if train and t.numel() == mu.numel() else
                        (torch.zeros_like(t) if isinstance(t, torch.Tensor) else None))
         out.extend(torch.zeros_like(t) if isinstance(t, torch.Tensor) else None for t in c.outputs[3:])
@@ -1353,6 +1408,13 @@ def rms_norm_budget(c: BudgetCall) -> Budget:
                                      torch.add(c.final(rstd), rstd.abs(), alpha=rel)])
 
 
+def _bcast_sum(t: torch.Tensor, shape: Sequence[int], dims: Sequence[int]) -> torch.Tensor:
+    """sum over ``dims`` of t broadcast to ``shape``, without materializing the broadcast."""
+    own = [d for d in dims if t.shape[d] != 1]
+    mult = math.prod(shape[d] for d in dims if t.shape[d] == 1)
+    return (t.sum(own, keepdim=True) if own else t) * mult
+
+
 def _norm_backward(c: BudgetCall, v: _NormView, dy: torch.Tensor, mu: torch.Tensor, rstd: torch.Tensor, w: Any,
                    outs: Sequence[Any], train: bool = True) -> list:
     """Bounds for (dx, dw, db) of y = xhat * w + b, xhat = (x - mean) * rstd, statistics given.
@@ -1360,36 +1422,44 @@ def _norm_backward(c: BudgetCall, v: _NormView, dy: torch.Tensor, mu: torch.Tens
     dx = rstd * (g - mean(g) - xhat * mean(g xhat)), g = dy * w. Kernels compute it in the uncentered form
     rstd*g + c2*x + c3 (c2 from sum(g x) - mean * sum(g)), whose roundings are relative to |x| and |mean|.
     With K = rstd * rms(x) = sqrt(mean(xhat^2) + (mean rstd)^2) (about 1 for centered data, more with an
-    offset mean or a negative eps), mean|g| <= rms(g) and mean|g x| <= rms(g) rms(x) (Cauchy-Schwarz):
-        |d dx| <= rstd * [4 (gamma_{n+3}(ua) + 4 ua) * rms(g) * (1 + K (|xhat| + K)) + 3 ua |g|] + 2 ua |dx|.
-    dw = sum dy * xhat, xhat computed as x rstd - mean rstd: (gamma_R(ua) + 2 ua) * sum |dy| (|xhat| +
-    2 |mean| rstd); db = sum dy: gamma_R(ua) sum |dy|."""
+    offset mean or a negative eps), mean|g| <= rms(g) and mean|g x| <= rms(g) rms(x) (Cauchy-Schwarz), X and
+    G the group's largest |xhat| and |g| (so |dx| <= rstd (G + rms(g) (1 + X K))):
+        |d dx| <= rstd * [4 (gamma_{n+3}(ua) + 4 ua) rms(g) (1 + K (X + K)) + 3 u G + 3 u (G + rms(g) (1 + X K))].
+    dw = sum dy * xhat, xhat computed as x rstd - mean rstd: (gamma_R(ua) + 2 ua) * sum |dy| (X + 2 |mean| rstd),
+    by Cauchy-Schwarz over the summed dims; db = sum dy: gamma_R(ua) * sum|dy|. Read-only reductions only."""
     dyv = dy.reshape(v.x.shape)
     mu, rstd = v.stat(mu), v.stat(rstd)
-    xhat = (v.x - mu) * rstd
+    d = v.stat_dims
+    n = max(v.n, 1)
     mr = (mu * rstd).abs()
-    K = (xhat.square().mean(v.stat_dims, keepdim=True) + mr.square()).sqrt()
+    X = v.xhat_max(mu, rstd)
+    K = (torch.linalg.vector_norm(v.x, 2, d, keepdim=True) / math.sqrt(n)) * rstd
+    wm = _absmax(v.param(w), d) if w is not None else 1.0  # the largest |w| a group meets
     bounds = []
     dx, dw, db = (list(outs) + [None, None, None])[:3]
     if _is_float(dx):
-        g = dyv * v.param(w) if w is not None else dyv
+        G = _absmax(dyv, d) * wm
         if train:
-            rms_g = g.abs().square().mean(v.stat_dims, keepdim=True).sqrt()
-            t = 4 * (gamma(v.n + 3, c.ua) + 4 * c.ua) * rms_g * (1 + K * (xhat.abs() + K)) + 3 * c.u * g.abs()
-            bdx = rstd * t + 2 * c.u * dx.reshape(v.x.shape).abs()
+            rms_g = torch.linalg.vector_norm(dyv, 2, d, keepdim=True) / math.sqrt(n) * wm
+            t = 4 * (gamma(v.n + 3, c.ua) + 4 * c.ua) * rms_g * (1 + K * (X + K)) + 3 * c.u * G
+            bdx = rstd * (t + 3 * c.u * (G + rms_g * (1 + X * K)))
         else:  # eval: dx = dy * w * rstd, elementwise
-            bdx = 5 * c.ua * dx.reshape(v.x.shape).abs()
-        bounds.append((bdx + c.final(dx.reshape(v.x.shape))).reshape(dx.shape))
+            bdx = 6 * c.u * rstd * G
+        bounds.append(v.to_output(bdx + c.floor(), dx.shape))
     else:
         bounds.append(None)
     R = v.R
     if _is_float(dw):
-        s = (dyv.abs() * (xhat.abs() + 2 * mr)).sum(v.param_dims)
+        cw = (X + 2 * mr).square()
+        # (squares summed: torch's norm kernels are slow over leading dims)
+        s = dyv.square().sum(v.param_dims).sqrt() * _bcast_sum(cw, v.x.shape, v.param_dims).reshape(
+            [s for i, s in enumerate(cw.shape) if i not in v.param_dims] or [1]).sqrt()
         bounds.append(torch.add(c.final(dw), s.reshape(dw.shape), alpha=gamma(R, c.ua) + 2 * c.ua))
     else:
         bounds.append(None)
     if _is_float(db):
-        bounds.append(torch.add(c.final(db), dyv.abs().sum(v.param_dims).reshape(db.shape), alpha=gamma(R, c.ua)))
+        s1 = dyv.abs().sum(v.param_dims)
+        bounds.append(torch.add(c.final(db), s1.reshape(db.shape), alpha=gamma(R, c.ua)))
     else:
         bounds.append(None)
     return bounds
@@ -1448,7 +1518,7 @@ def batch_norm_backward2_budget(c: BudgetCall) -> Budget:
 
 @register_budget(*overloads("_fused_rms_norm_backward"))
 def rms_norm_backward_budget(c: BudgetCall) -> Budget:
-    """As layer norm's backward with mean 0 (kappa = 1)."""
+    """As layer norm's backward with mean 0."""
     a = c.a
     v = _ln_view(a["input"], a["normalized_shape"])
     rstd = a["rstd"]
@@ -1677,7 +1747,7 @@ def attention_budget(c: BudgetCall) -> Budget:
     the roundings are at the device's u: the bf16 CPU kernel rounds the logits and P to bf16 for its GEMMs."""
     if c.a.get("dropout_p", 0.0) not in (0, 0.0, None):
         return NotImplemented  # random: not replayed, nothing to bound
-    q, k, v, E, S, s, qn, kmax = _attention_parts(c)
+    _, _, v, E, S, s, qn, kmax = _attention_parts(c)
     out = c.out(0)
     lse = c.outputs[1] if len(c.outputs) > 1 and _is_float(c.outputs[1]) and c.outputs[1].numel() else None
 

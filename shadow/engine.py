@@ -343,14 +343,18 @@ class Engine:
         if not refs:
             return None
         outs = [refs.get(i) for i in range(max(refs) + 1)]
-        return budget_for(call.plan.func, call.pre[0], call.pre[1], outs, call.inputs[0].dtype)
+        # the error is measured in the result's dtype (a cast to bfloat16 is held to bfloat16's rounding)
+        dtype = next((d.dtype for d, *_ in results if isinstance(d, torch.Tensor) and shadow_dtype_of(d.dtype)),
+                     call.inputs[0].dtype)
+        return budget_for(call.plan.func, call.pre[0], call.pre[1], outs, dtype)
 
     def _spot_check(self, call: _Call, out: Any, refs: Any):
         """mpmath check of sampled elements of the float64 reference the local error was measured against."""
         plan = call.plan
         dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
         ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
-        return self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, call.inputs[0].dtype)
+        dtype = next((t.dtype for t in dev if t is not None and shadow_dtype_of(t.dtype)), call.inputs[0].dtype)
+        return self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, dtype)
 
     def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool, drifts: list, locals_: list,
                 keep: bool = True, dtype: torch.dtype | None = None, budget: Budget | None = None,
