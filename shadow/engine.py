@@ -249,8 +249,8 @@ class Engine:
         louts = None
         if call.largs is not None:
             _, louts = run_chain(call.chain, Replay(plan, call.largs, call.lkw, out))
-        results, item = self._results(call, args, kwargs, out, souts, louts)
-        budget = self._budget(call, results) if call.pre is not None and self.opt.budgets else None
+        results, item, n_out = self._results(call, args, kwargs, out, souts, louts)
+        budget = self._budget(call, results, n_out) if call.pre is not None and self.opt.budgets else None
         drifts, locals_, flips, lflips, mismatch = [], [], 0, 0, 0
         for d, sh, lo, written, bidx in results:
             if isinstance(d, torch.Tensor):
@@ -296,7 +296,7 @@ class Engine:
                 stats.append(compare(c, ref, d.dtype))
         return merged(stats)
 
-    def _results(self, call: _Call, args, kwargs, out, souts, louts) -> tuple[list, Any]:
+    def _results(self, call: _Call, args, kwargs, out, souts, louts) -> tuple[list, Any, int]:
         """(device, shadow, local, written, budget index) per result: written arguments (in-place, out=),
         then fresh returns; and an .item()-like number pair. The budget index follows shadow.budgets: the
         flattened returns (a written argument by the return aliasing it), or the written ones if none."""
@@ -331,9 +331,9 @@ class Engine:
                 elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):  # .item(), equal
                     item = (d, s)
                     results.append((d, s, l, False, None))
-        return results, item
+        return results, item, (len(dflat) if has_returns else w)
 
-    def _budget(self, call: _Call, results: list) -> Budget | None:
+    def _budget(self, call: _Call, results: list, n_out: int) -> Budget | None:
         """The op's error budget from its inputs before the op and the float64 results the local error is
         measured against; None (no budget) where there is nothing to bound or no float results."""
         refs: dict[int, Any] = {}
@@ -342,11 +342,18 @@ class Engine:
                 refs[bidx] = lo if isinstance(lo, torch.Tensor) else sh
         if not refs:
             return None
-        outs = [refs.get(i) for i in range(max(refs) + 1)]
+        outs = [refs.get(i) for i in range(max(n_out, max(refs) + 1))]  # None where an output is absent
+
         # the error is measured in the result's dtype (a cast to bfloat16 is held to bfloat16's rounding)
         dtype = next((d.dtype for d, *_ in results if isinstance(d, torch.Tensor) and shadow_dtype_of(d.dtype)),
                      call.inputs[0].dtype)
-        return budget_for(call.plan.func, call.pre[0], call.pre[1], outs, dtype)
+        try:
+            return budget_for(call.plan.func, call.pre[0], call.pre[1], outs, dtype)
+        except Exception as exc:  # a budget rule's bug must not cost the op its error figures: counted, visible
+            self.report.coverage.internal_errors += 1
+            self.report.coverage.unsupported.setdefault(
+                f"budget of {call.plan.name}", f"internal error: {type(exc).__name__}: {exc}"[:240])
+            return None
 
     def _spot_check(self, call: _Call, out: Any, refs: Any):
         """mpmath check of sampled elements of the float64 reference the local error was measured against."""
