@@ -56,6 +56,11 @@ for _dt in _BF16_FP16:
         ("aten.native_layer_norm_backward.default", _dt): "weight/bias gradients summed over rows in the device dtype",
         ("aten.addbmm.default", _dt): "one addmm per batch into the device-dtype result: batch partial sums rounded",
     })
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
+    for _dt in _BF16_FP16:  # seen on torch 2.4.1 only: the same samples are within budget on 2.13
+        for _op in ("_softmax_backward_data", "_log_softmax_backward_data", "logsumexp", "mv", "dot"):
+            EXCEPTIONS[(f"aten.{_op}.default", _dt)] = (
+                "torch < 2.5: this CPU bfloat16/float16 kernel accumulates in the device dtype")
 for _dt in ("float32", *_BF16_FP16):
     EXCEPTIONS.update({
         # default budgets, ops no rule bounds
@@ -427,7 +432,7 @@ def _training_steps(dtype: torch.dtype) -> None:
          torch.optim.Adam(mlp.parameters(), foreach=False)),
         (mlp, torch.randn(8, 16).to(dtype), torch.randint(0, 4, (8,)), F.cross_entropy,
          torch.optim.Adam(mlp.parameters(), foreach=True)),
-        (cnn, torch.randn(4, 3, 8, 8).to(dtype), torch.randn(4, 4).to(dtype), F.mse_loss,
+        (cnn, torch.randn(4, 3, 8, 8).to(dtype), torch.randn(4, 4).to(dtype), _mse_loss(dtype),
          torch.optim.SGD(cnn.parameters(), lr=0.1, momentum=0.9)),
         (tr, tok, tok, lambda o, y: F.cross_entropy(o.reshape(-1, 50), y.reshape(-1)),
          torch.optim.AdamW(tr.parameters())),
@@ -437,6 +442,16 @@ def _training_steps(dtype: torch.dtype) -> None:
             opt.zero_grad()
             loss_fn(model(x), y).backward()
             opt.step()
+
+
+def _mse_loss(dtype: torch.dtype):
+    """F.mse_loss, or its formula where this torch has no CPU kernel for the dtype (torch 2.4.1: no bfloat16
+    mse_loss, no float16 mse_loss_backward)."""
+    try:
+        F.mse_loss(torch.ones(2, dtype=dtype, requires_grad=True), torch.zeros(2, dtype=dtype)).backward()
+        return F.mse_loss
+    except RuntimeError:
+        return lambda o, y: (o - y).square().mean()
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=lambda d: str(d).replace("torch.", ""))

@@ -40,7 +40,10 @@ def test_no_false_alarms_on_training_steps(name, dtype):
     batches = to_dtype(make_batches(name, 2), dtype)
     with ShadowMode(spot_checks="off") as sm:
         train_steps(model, opt, batches, loss_fn(name))
-    excused = REDUCED_PRECISION_ACCUMULATION if dtype != torch.float32 else {}
+    excused = dict(REDUCED_PRECISION_ACCUMULATION) if dtype != torch.float32 else {}
+    if dtype != torch.float32 and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
+        excused["aten._softmax_backward_data.default"] = "torch < 2.5: CPU bf16/fp16 softmax backward sums rows " \
+                                                        "in the device dtype"
     over = [(r.op, r.phase, round(r.budget.used, 2)) for r in sm.report.over_budget() if r.op not in excused]
     assert over == []
     budgeted = [r for r in sm.report.records if r.budget is not None]
