@@ -9,7 +9,26 @@ from __future__ import annotations
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
+
+
+class _Tracker(ModuleTracker):
+    """ModuleTracker, except that a module's backward exit is hooked on its non-leaf inputs only: torch's own
+    hooks leaf inputs too, and ``torch.autograd.grad`` with such a leaf then raises into the user's program
+    ("A leaf node was passed to _will_engine_execute_node", pytorch/pytorch#131753). Cost: a module whose
+    inputs are all leaves stays among ``parents`` until the engine's end-of-backward callback clears them."""
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        name = self._get_mod_name(mod)
+        self._get_append_fn(name, False)()
+        args, _ = tree_flatten(input)
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None]
+        if tensors:
+            handle = register_multi_grad_hook(tensors, self._get_pop_fn(name, True))
+            if hasattr(self, "_hooks"):  # torch >= 2.5 removes them on exit; 2.4 keeps none
+                self._hooks.append(handle)
 
 
 def _innermost(parents: set[str]) -> str:
@@ -33,7 +52,7 @@ class Attribution:
     """Tracks the current module and phase while a ShadowMode is active."""
 
     def __init__(self) -> None:
-        self._tracker = ModuleTracker()
+        self._tracker = _Tracker()
         self._optimizer_depth = 0
         self._param_names: dict[int, str] = {}  # storage address -> parameter name, during a step
         self._handles: list = []

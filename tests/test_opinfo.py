@@ -54,12 +54,7 @@ MODE_SENSITIVE = "torch computes otherwise under any TorchDispatchMode, even one
 # evidence: the run under _Trace (forwards every op unchanged) differs from the plain run on that result
 
 # --- known bugs outside the engine: strict xfail, so a fix turns them into failures and the entry goes ---
-KNOWN_BUGS = {
-    "nn.functional.triplet_margin_with_distance_loss-backward":
-        "torch.utils.module_tracker.ModuleTracker (used by shadow/attribution.py) registers a multi-grad hook on "
-        "a module's leaf inputs, and torch.autograd.grad then raises 'A leaf node was passed to "
-        "_will_engine_execute_node' (pytorch/pytorch#131753): ShadowMode raises into the program",
-}
+KNOWN_BUGS: dict[str, str] = {}
 if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
     KNOWN_BUGS["nanmean-out"] = ("torch 2.4: nanmean(out=) fills out through a direct call of at::native::nansum_out "
                                  "that never dispatches, so no mode sees the write (torch 2.5 dispatches aten.nansum.out)")
