@@ -55,9 +55,13 @@ MODE_SENSITIVE = "torch computes otherwise under any TorchDispatchMode, even one
 
 # --- known bugs outside the engine: strict xfail, so a fix turns them into failures and the entry goes ---
 KNOWN_BUGS: dict[str, str] = {}
+# float64 comparisons that fail on this torch for a reason outside shadow: xfail where (and only where) they fail
+UNDISPATCHED_WRITES: dict[str, str] = {}
 if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
-    KNOWN_BUGS["nanmean-out"] = ("torch 2.4: nanmean(out=) fills out through a direct call of at::native::nansum_out "
-                                 "that never dispatches, so no mode sees the write (torch 2.5 dispatches aten.nansum.out)")
+    for _v in ("nanmean-out", "nanmean-out_resize"):
+        UNDISPATCHED_WRITES[_v] = ("torch 2.4: nanmean(out=) fills out through a direct call of at::native::nansum_out "
+                                   "that never dispatches, so no mode sees the write (torch 2.5 dispatches "
+                                   "aten.nansum.out)")
 
 
 def _variants(op) -> list[str]:
@@ -409,7 +413,14 @@ def _assert_ok(oc: Outcome) -> None:
 @pytest.mark.parametrize("op,variant", PARAMS)
 def test_float64_bit_identical(op, variant):
     """float64 "device": shadow == device bit for bit, no crash, no interference (first sample)."""
-    _assert_ok(check_variant(op, variant, torch.float64, DEFAULT_SAMPLES))
+    _assert_ok_f64(op, variant, DEFAULT_SAMPLES)
+
+
+def _assert_ok_f64(op, variant, samples):
+    oc = check_variant(op, variant, torch.float64, samples)
+    if oc.failures and _name(op, variant) in UNDISPATCHED_WRITES:
+        pytest.xfail(UNDISPATCHED_WRITES[_name(op, variant)])
+    _assert_ok(oc)
 
 
 @pytest.mark.parametrize("op,variant", PARAMS)
@@ -421,7 +432,7 @@ def test_float32_finite(op, variant):
 @pytest.mark.slow
 @pytest.mark.parametrize("op,variant", PARAMS)
 def test_float64_bit_identical_samples(op, variant):
-    _assert_ok(check_variant(op, variant, torch.float64, SLOW_SAMPLES))
+    _assert_ok_f64(op, variant, SLOW_SAMPLES)
 
 
 @pytest.mark.slow
