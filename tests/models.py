@@ -172,6 +172,13 @@ def fused_unsupported(name: str, dtype: torch.dtype = torch.float32, device: str
     return None
 
 
+def impl_unsupported(name: str, impl: str, *dtypes: torch.dtype) -> str | None:
+    """Why optimizer ``name`` cannot run as ``impl`` here for every dtype given (None: it can)."""
+    if impl != "fused":
+        return None
+    return next((r for r in (fused_unsupported(name, dt) for dt in dtypes or (torch.float32,)) if r), None)
+
+
 def dtype_unsupported(name: str, dtype: torch.dtype) -> str | None:
     """Why this torch cannot train model ``name`` in ``dtype`` on the CPU (None: it can), e.g. torch 2.4.1's
     oneDNN has no bfloat16 LSTM on CPUs without AVX512-BF16. Computed by one plain step, so a skip states

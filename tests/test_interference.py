@@ -16,7 +16,7 @@ import torch
 
 from shadow import ShadowMode
 
-from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, fused_unsupported, loss_fn, make_batches, \
+from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, impl_unsupported, loss_fn, make_batches, \
     make_optimizer, train_steps
 
 STEPS = 3
@@ -79,10 +79,8 @@ def assert_clean_report(sm: ShadowMode) -> None:
 
 
 def _skip_unsupported(opt_name: str, impl: str) -> None:
-    if impl == "fused":
-        reason = fused_unsupported(opt_name)
-        if reason:
-            pytest.skip(reason)
+    if (reason := impl_unsupported(opt_name, impl)) is not None:
+        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shadow import ShadowMode
 
-from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, fused_unsupported, loss_fn, make_batches, \
+from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, impl_unsupported, loss_fn, make_batches, \
     make_optimizer, to_dtype, train_steps
 
 aten = torch.ops.aten
@@ -153,10 +153,8 @@ def check_against_reference(case: dict) -> dict:
 
 
 def _skip_unsupported(opt_name: str, impl: str) -> None:
-    if impl == "fused":
-        reason = fused_unsupported(opt_name, torch.float32) or fused_unsupported(opt_name, torch.float64)
-        if reason:
-            pytest.skip(reason)
+    if (reason := impl_unsupported(opt_name, impl, torch.float32, torch.float64)) is not None:
+        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
