@@ -1482,20 +1482,24 @@ def group_norm_backward_budget(c: BudgetCall) -> Budget:
                                                    c.outputs))
 
 
-@register_budget(*overloads("native_batch_norm_backward"))
-def batch_norm_backward_budget(c: BudgetCall) -> Budget:
+def _bn_backward(c: BudgetCall, train: bool, saved_rstd: str) -> Budget:
+    """Batch norm's backward from the saved statistics (training) or the running ones (inference)."""
     a = c.a
     v = _bn_view(a["input"])
-    train = bool(a["train"])
 
     def make():
         if train:
-            mu, rstd = a["save_mean"], a["save_invstd"]
+            mu, rstd = a["save_mean"], a[saved_rstd]
         else:
             mu, rstd = a["running_mean"], (a["running_var"] + a["eps"]).rsqrt()
         return _norm_backward(c, v, a["grad_out"], mu, rstd, a.get("weight"), c.outputs, train)
 
     return c.budget("norm", make)
+
+
+@register_budget(*overloads("native_batch_norm_backward"))
+def batch_norm_backward_budget(c: BudgetCall) -> Budget:
+    return _bn_backward(c, bool(c.a["train"]), "save_invstd")
 
 
 @register_budget(*overloads("batch_norm_backward"))
@@ -1503,17 +1507,8 @@ def batch_norm_backward2_budget(c: BudgetCall) -> Budget:
     """The backward of _batch_norm_with_update / _batch_norm_no_update: ``save_var`` holds the saved
     inverse standard deviation (what the forward returned), empty when the running statistics were used."""
     a = c.a
-    v = _bn_view(a["input"])
-    train = bool(a["update"]) and a["save_mean"] is not None and a["save_mean"].numel() > 0
-
-    def make():
-        if train:
-            mu, rstd = a["save_mean"], a["save_var"]
-        else:
-            mu, rstd = a["running_mean"], (a["running_var"] + a["eps"]).rsqrt()
-        return _norm_backward(c, v, a["grad_out"], mu, rstd, a.get("weight"), c.outputs, train)
-
-    return c.budget("norm", make)
+    return _bn_backward(c, bool(a["update"]) and a["save_mean"] is not None and a["save_mean"].numel() > 0,
+                        "save_var")
 
 
 @register_budget(*overloads("_fused_rms_norm_backward"))
