@@ -154,20 +154,26 @@ class Budget:
                 self._bound = tuple(self._make())
             else:  # ulps of the result
                 rd = self._dtype.to_real() if self._dtype.is_complex else self._dtype
-                self._bound = tuple(
-                    self.ulps * spacing(r.abs(), rd) if _is_float(r) else None for r in self._outputs)
+                self._bound = tuple(spacing(r.abs() if r.is_complex() else r, rd, self.ulps) if _is_float(r) else None
+                                    for r in self._outputs)
         return self._bound
 
     def scale_sq(self) -> float:
         """Sum over output elements of T**2, T the one-rounding error scale of :func:`effective_bits`
         (the result itself unless the rule says otherwise)."""
+        return self._scales()[0]
+
+    def _scales(self) -> tuple[float, float]:
+        """(scale_sq, acc_sq): a rule's ``scale_sq`` returns the first or both (see :func:`effective_bits`)."""
         s = self._scale_sq
         if s is None:
             s = sum(_sumsq(r) for r in self._outputs if _is_float(r))
         elif callable(s):
             s = s()
-        self._scale_sq = float(s)
-        return self._scale_sq
+        if not isinstance(s, tuple):
+            s = (float(s), 0.0)
+        self._scale_sq = s
+        return s
 
     def used(self, abs_errs: Sequence[torch.Tensor | None]) -> float:
         """max(abs error / bound) over every output (see :func:`budget_used`)."""
@@ -177,10 +183,14 @@ class Budget:
                 m = max(m, budget_used(e, b))
         return m
 
+    def bits(self, err_sq_sum: float) -> float:
+        """:func:`effective_bits` of an observed sum of squared errors under this op's scales."""
+        s, acc = self._scales()
+        return effective_bits(err_sq_sum, s, acc, self._dtype)
+
     def effective_bits(self, abs_errs: Sequence[torch.Tensor | None]) -> float:
-        """:func:`effective_bits` of the observed errors of every output under this op's scale."""
-        sq = sum(_sumsq_finite(e) for e in abs_errs if e is not None)
-        return effective_bits(sq, self.scale_sq())
+        """:func:`effective_bits` of the observed errors of every output under this op's scales."""
+        return self.bits(sum(_sumsq_finite(e) for e in abs_errs if e is not None))
 
     def __repr__(self) -> str:
         extra = f", ulps={self.ulps}" if self.ulps is not None else ""
@@ -192,8 +202,12 @@ def _is_float(t: Any) -> bool:
 
 
 def _sumsq(t: torch.Tensor) -> float:
+    """sum |t|**2 over the finite elements: one pass (vector_norm), the masked sum only when non-finite."""
     if t.numel() == 0:
         return 0.0
+    s = float(torch.linalg.vector_norm(t)) ** 2
+    if math.isfinite(s):
+        return s
     a = t.abs()
     a = a[torch.isfinite(a)]
     return float(a.square().sum())
@@ -230,19 +244,23 @@ def budget_used(abs_err: torch.Tensor, bound: torch.Tensor) -> float:
     return float((abs_err[fin] / b[fin]).max())
 
 
-def effective_bits(err_sq_sum: float, scale_sq_sum: float) -> float:
+def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0.0,
+                   dtype: torch.dtype | None = None) -> float:
     """The stored mantissa bits p that explain an observed error, under the model "every quantity the op
-    is sensitive to is rounded once to p bits, independently": p = -log2(u_eff) - 1 with
+    is sensitive to is rounded once to p bits, independently, and the op's long sums accumulate as a
+    correct kernel in ``dtype`` would": p = -log2(u_eff) - 1 with
 
-        u_eff = sqrt( sum(err**2) / (KAPPA * sum(T**2)) ),   KAPPA = 1 / (8 ln 2) ~ 0.180
+        u_eff**2 = ( sum(err**2) / KAPPA  -  ua**2 * ACC ) / sum(T**2),   KAPPA = 1 / (8 ln 2) ~ 0.180
 
     where T runs over those quantities (the rule's scale: the result for elementwise ops, softmax and
     norms; each product a_ik*b_kj twice, once per rounded operand, for matmul and convolution; each
-    summand for sums) and KAPPA*u**2 is the mean squared relative error of rounding to nearest at unit
-    roundoff u. Rounding everything at u = 2**-(p+1) gives p back on average: a correctly rounded float32
-    op reads ~23, a matmul on inputs rounded to TF32's 10 mantissa bits ~10. Accumulation error is not
-    in the model, so a correct float32 matmul with long sequential sums reads a little lower (~21 for
-    K = 64..4096 on random data): the figure says how many bits the *inputs* seem to have carried.
+    summand for sums), KAPPA*u**2 is the mean squared relative error of rounding to nearest at unit
+    roundoff u, ACC (``acc_sq_sum``) the sum of the squared partial sums a sequential accumulation rounds
+    (matmul and convolution estimate it, see ``_accumulation_sq``; 0 elsewhere) and ua the unit roundoff
+    of ``dtype``'s accumulation type. Rounding everything at u = 2**-(p+1) gives p back on average: a
+    correctly rounded float32 op reads ~23, a matmul on inputs rounded to TF32's 10 mantissa bits ~10.
+    Where the accumulation alone explains the whole error (a correct kernel's), the figure is the
+    dtype's own p (23 for float32): no input seems to have carried fewer bits than the dtype stores.
 
     Why not solve the worst-case bound for u (gamma_K(u) * |A||B| = error)? Random rounding errors
     cancel, so the worst case overstates typical errors by ~K**1.5 for a matmul and the solved p would
@@ -254,13 +272,18 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float) -> float:
     >>> round(effective_bits(KAPPA * 2.0**-22, 1.0), 6)   # errors of u = 2**-11 in rms: 10 bits
     10.0
     """
-    if not math.isfinite(scale_sq_sum) or math.isnan(err_sq_sum):
+    if not math.isfinite(scale_sq_sum) or not math.isfinite(acc_sq_sum) or math.isnan(err_sq_sum):
         return math.nan
     if err_sq_sum <= 0.0:
         return math.inf
+    excess = err_sq_sum / KAPPA
+    if acc_sq_sum > 0.0 and dtype is not None:
+        excess -= unit_roundoff(accumulation_dtype(dtype)) ** 2 * acc_sq_sum
+        if excess <= 0.0:
+            return float(precision_bits(dtype.to_real() if dtype.is_complex else dtype))
     if scale_sq_sum <= 0.0 or math.isinf(err_sq_sum):
         return -math.inf
-    return -0.5 * math.log2(err_sq_sum / (KAPPA * scale_sq_sum)) - 1.0
+    return -0.5 * math.log2(excess / scale_sq_sum) - 1.0
 
 
 # --- the normalized input every rule gets ---
@@ -601,7 +624,7 @@ def pointwise_budget(c: BudgetCall) -> Budget:
 
 def _ulp_bound(c: BudgetCall, r: torch.Tensor, n: float) -> torch.Tensor:
     rd = c.dtype.to_real() if c.dtype.is_complex else c.dtype
-    return n * spacing(r.abs(), rd)
+    return spacing(r.abs() if r.is_complex() else r, rd, n)
 
 
 def _with_operand_term(c: BudgetCall, family: str, term: Callable[[], Any]) -> Budget:
@@ -609,7 +632,26 @@ def _with_operand_term(c: BudgetCall, family: str, term: Callable[[], Any]) -> B
     add costs (a scaled operand, a Python scalar rounded to the compute type). Reduced-precision kernels
     may round that intermediate in the device dtype (bf16 add with alpha does), so the term is in u."""
     r = c.out()
-    return c.budget("elementwise", lambda: [_ulp_bound(c, r, ULPS[family]) + term()])
+    return c.budget("elementwise", lambda: [_iadd(_ulp_bound(c, r, ULPS[family]), term())])
+
+
+def _iadd(b: torch.Tensor, t: Any) -> torch.Tensor:
+    """b + t, in place in the fresh tensor b where the shapes allow (bounds are large: no third tensor)."""
+    if isinstance(t, torch.Tensor) and torch.broadcast_shapes(b.shape, t.shape) != b.shape:
+        return b + t
+    return b.add_(t)
+
+
+def _scaled_abs(t: Any, k: Any, fresh: bool = True) -> Any:
+    """k * |t|, in place in t when it is a ``fresh`` float temporary computed for this purpose."""
+    if not isinstance(t, torch.Tensor):
+        return k * abs(t)
+    t = t.abs_() if fresh and t.is_floating_point() else t.abs()
+    if not t.is_floating_point():
+        t = t.to(torch.float64)
+    if isinstance(k, torch.Tensor) and torch.broadcast_shapes(t.shape, k.shape) != t.shape:
+        return t * k
+    return t.mul_(k)
 
 
 def _scale(v: Any) -> Any:
@@ -622,7 +664,8 @@ def add_budget(c: BudgetCall) -> Budget:
     other, alpha = c.a.get("other"), _scale(c.a.get("alpha"))
     if isinstance(other, torch.Tensor) and alpha == 1:
         return c.ulps("elementwise", ULPS["arith"])
-    return _with_operand_term(c, "arith", lambda: 2 * c.u * _abs(alpha) * _abs(other))
+    k = 2 * c.u * _abs(alpha)
+    return _with_operand_term(c, "arith", lambda: _scaled_abs(other, k, fresh=False))
 
 
 @register_budget(*overloads("rsub"))
@@ -636,14 +679,14 @@ def rsub_budget(c: BudgetCall) -> Budget:
 def addcmul_budget(c: BudgetCall) -> Budget:
     """self + value*t1*t2: the product is rounded (twice, value included) before the add."""
     a = c.a
-    return _with_operand_term(c, "arith", lambda: 3 * c.u * _abs(_scale(a["value"])) * (a["tensor1"] * a["tensor2"]).abs())
+    return _with_operand_term(c, "arith", lambda: _scaled_abs(a["tensor1"] * a["tensor2"], 3 * c.u * _abs(_scale(a["value"]))))
 
 
 @register_budget(*overloads("addcdiv"))
 def addcdiv_budget(c: BudgetCall) -> Budget:
     """self + value*t1/t2: the quotient is rounded (twice, value included) before the add."""
     a = c.a
-    return _with_operand_term(c, "arith", lambda: 3 * c.u * _abs(_scale(a["value"])) * (a["tensor1"] / a["tensor2"]).abs())
+    return _with_operand_term(c, "arith", lambda: _scaled_abs(a["tensor1"] / a["tensor2"], 3 * c.u * _abs(_scale(a["value"]))))
 
 
 @register_budget(*overloads("lerp"))
@@ -651,7 +694,7 @@ def lerp_budget(c: BudgetCall) -> Budget:
     """start + w*(end - start) (or end - (1-w)*(end - start)): the difference and its product are rounded."""
     a = c.a
     w = a["weight"]
-    return _with_operand_term(c, "arith", lambda: 3 * c.u * (_abs(w) + _abs(1 - w)) * (a["end"] - a["self"]).abs())
+    return _with_operand_term(c, "arith", lambda: _scaled_abs(a["end"] - a["self"], 3 * c.u * (_abs(w) + _abs(1 - w))))
 
 
 # --- foreach ops: each list element under the rule of the op the name says ---
@@ -698,7 +741,7 @@ def foreach_budget(c: BudgetCall) -> Budget:
     ulps = {b.ulps for b in subs}
     return Budget(kinds.pop() if len(kinds) == 1 else "foreach", lambda: [b.bound[0] for b in subs],
                   outputs=c.outputs, dtype=c.dtype, is_default=any(b.is_default for b in subs),
-                  ulps=ulps.pop() if len(ulps) == 1 else None, scale_sq=lambda: sum(b.scale_sq() for b in subs))
+                  ulps=ulps.pop() if len(ulps) == 1 else None, scale_sq=lambda: tuple(map(sum, zip(*(b._scales() for b in subs)))))
 
 
 # --- reductions: Higham's worst case for any summation order (recursive, pairwise, blocked, with or
@@ -952,9 +995,18 @@ def _mm_magnitude(A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, base: An
 
 def _mm_scale_sq(A: torch.Tensor, B: torch.Tensor) -> float:
     """Two roundings (one per operand) of every product a_ik b_kj: 2 sum_k (sum_i a_ik^2)(sum_j b_kj^2)."""
-    ca = A.abs().square().sum(-2)  # [..., K]
-    rb = B.abs().square().sum(-1)  # [..., K]
-    return 2.0 * float((ca * rb).sum())
+    ca = torch.linalg.vector_norm(A, dim=-2).square_()  # [..., K]
+    rb = torch.linalg.vector_norm(B, dim=-1).square_()  # [..., K]
+    return 2.0 * float(torch.linalg.vecdot(ca, rb).sum())
+
+
+def _accumulation_sq(K: int, terms_sq: float, result_sq: float) -> float:
+    """Estimated sum of the squared partial sums s_1..s_K of K-term inner products accumulated in
+    sequence (BLAS and oneDNN kernels run K in order per output, one rounding per step with FMA), over
+    all outputs, given sum t**2 over every term t and sum c**2 over every result c. With the terms in
+    random order the partial sums form a Brownian bridge from 0 to c: E[s_j**2] = (j/K)**2 c**2 +
+    (j/K)(1 - j/K) V, V = sum t**2 - c**2 / K; summed over j: K/3 c**2 + K/6 V."""
+    return K / 3.0 * result_sq + K / 6.0 * max(terms_sq - result_sq / K, 0.0)
 
 
 def _out_rounding(c: BudgetCall, r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -964,6 +1016,12 @@ def _out_rounding(c: BudgetCall, r: torch.Tensor, m: torch.Tensor) -> torch.Tens
     if c.u == c.ua:
         return m
     return torch.add(m, r.abs(), alpha=c.u)
+
+
+def _out_rounding_sq(c: BudgetCall, r_sq: float) -> float:
+    """The scale of the result's own rounding where it is apart from the accumulation (bf16/fp16 results
+    of a float32 accumulation): sum r**2; 0 where the last accumulation step is that rounding."""
+    return 0.0 if c.u == c.ua else r_sq
 
 
 def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: Any, beta: Any, alpha: Any,
@@ -983,10 +1041,11 @@ def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: A
         return [_out_rounding(c, r, out)]
 
     def scale_sq():
-        s = _mm_scale_sq(A, B) * abs(alpha) ** 2
+        s, r_sq = _mm_scale_sq(A, B) * abs(alpha) ** 2, _sumsq(r)
+        acc = _accumulation_sq(K, s / 2, r_sq)
         if use_bias:
             s += _sumsq(torch.broadcast_to(bias, (*A.shape[:-1], B.shape[-1]))) * abs(beta) ** 2
-        return s
+        return s + _out_rounding_sq(c, r_sq), acc
 
     return c.budget(kind, make, scale_sq)
 
@@ -1013,7 +1072,7 @@ def addmm_activation_budget(c: BudgetCall) -> Budget:
     b = _addmm_like(c, A, B, A.shape[-1], c.a["self"], c.a.get("beta"), c.a.get("alpha"))
     r = c.out()
     return c.budget("matmul", lambda: [1.13 * b.bound[0] + _ulp_bound(c, r, ULPS["transcendental"])],
-                    b.scale_sq)
+                    b._scales)
 
 
 @register_budget(*overloads("addbmm"))
@@ -1040,8 +1099,12 @@ def dot_budget(c: BudgetCall) -> Budget:
         return NotImplemented
     r = c.out()
     n = a.shape[0]
+    def scale_sq():
+        terms, r_sq = float((a.abs() * b.abs()).square().sum()), _sumsq(r)
+        return 2.0 * terms + _out_rounding_sq(c, r_sq), _accumulation_sq(n, terms, r_sq)
+
     return c.budget("matmul", lambda: [torch.add(c.final(r), (a.abs() * b.abs()).sum(), alpha=gamma(n, c.ua))],
-                    lambda: 2.0 * float((a.abs() * b.abs()).square().sum()))
+                    scale_sq)
 
 
 @register_budget(*overloads("addr", "outer", "ger"))
@@ -1123,8 +1186,10 @@ def conv_budget(c: BudgetCall) -> Budget:
             w2 = w.abs().square().reshape(groups, w.shape[0] // groups, *w.shape[1:]).sum(1)  # [g, C_in/g, *k]
         s = aten.convolution.default(x2, w2, None, a["stride"], a["padding"], a["dilation"], transposed,
                                      a["output_padding"], groups)
-        return 2.0 * float(s.sum()) + (_sumsq(torch.broadcast_to(bias.reshape(1, -1, *([1] * (r.dim() - 2))), r.shape))
-                                       if bias is not None else 0.0)
+        terms, r_sq = float(s.sum()), _sumsq(r)
+        return 2.0 * terms + _out_rounding_sq(c, r_sq) + (
+            _sumsq(torch.broadcast_to(bias.reshape(1, -1, *([1] * (r.dim() - 2))), r.shape)) if bias is not None
+            else 0.0), _accumulation_sq(K, terms, r_sq)
 
     return c.budget("conv", make, scale_sq)
 

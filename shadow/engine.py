@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .attribution import Attribution
-from .budgets import Budget, budget_for, effective_bits
+from .budgets import Budget, budget_for
 from .devices import cpu_fallback
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import Mirror, shadow_dtype_of
@@ -265,7 +265,7 @@ class Engine:
         binfo = None
         if budget is not None and local is not None:
             if local.norm > 0:
-                local.effective_bits = effective_bits(local.norm ** 2, budget.scale_sq())
+                local.effective_bits = budget.bits(local.norm ** 2)
             binfo = BudgetInfo(budget.kind, local.budget_used or 0.0, budget.is_default)
         spot = self._spot_check(call, out, louts if call.largs is not None else souts) if call.spot else None
         cpu = self._cpu_error(call, results) if call.cpu is not None and kind is not Kind.RANDOM else None

@@ -70,14 +70,15 @@ def precision_bits(dtype: torch.dtype) -> int:
 _EXP_BITS = 0x7FF0000000000000  # the exponent field of a float64
 
 
-def spacing(r_abs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Spacing of ``dtype`` at each |r| (float64 tensor): 2**(e - p) for |r| in [2**e, 2**(e+1)),
-    the subnormal spacing below the smallest normal.
+def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0) -> torch.Tensor:
+    """``times`` spacings of ``dtype`` at each |r| (r a real float64 tensor; its sign is never read):
+    2**(e - p) for |r| in [2**e, 2**(e+1)), the subnormal spacing below the smallest normal. One new
+    tensor, written in place (a fresh large tensor costs more in page faults than the arithmetic).
 
-    >>> spacing(torch.tensor([1.0, 3.0, 0.0], dtype=torch.float64), torch.float32).tolist() == [2.0**-23, 2.0**-22, 2.0**-149]
+    >>> spacing(torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64), torch.float32).tolist() == [2.0**-23, 2.0**-22, 2.0**-149]
     True
     """
-    return _pow2_floor(r_abs, torch).clamp_min_(torch.finfo(dtype).tiny) * 2.0 ** -precision_bits(dtype)
+    return _pow2_floor(r, torch).clamp_min_(torch.finfo(dtype).tiny).mul_(times * 2.0 ** -precision_bits(dtype))
 
 
 def _pow2_floor(r: Any, xp: Any) -> Any:
@@ -228,7 +229,7 @@ def _compare_numpy(yn: np.ndarray, rn: np.ndarray, dtype: torch.dtype, n: int, b
     ra = np.abs(rn)
     if bn is not None:  # 0/0 (exact where the bound is 0) reads 0, x/0 inf
         stats.budget_used = float(np.nan_to_num(ad / bn, nan=0.0).max())
-    unit = np.maximum(_pow2_floor(ra, np), torch.finfo(_real_dtype(dtype)).tiny)
+    unit = np.maximum(_pow2_floor(rn if rn.dtype == np.float64 else ra, np), torch.finfo(_real_dtype(dtype)).tiny)
     norm = lambda a: math.sqrt(float(np.vdot(a, a)))  # noqa: E731
     return _finish(stats, m, norm(ad), norm(ra), float((ad / unit).max()), dtype)
 
@@ -251,9 +252,13 @@ def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
             return stats
         return _compare_torch_finite(stats, yc[both], r[both], dtype, None if bound is None else bound[both])
     if bound is not None:
-        q = torch.div(d, bound, out=e.view(torch.float64)).nan_to_num_(nan=0.0)  # 0/0: exact where bound is 0
+        q = torch.div(d, bound, out=e.view(torch.float64))
         lo, hi = torch.aminmax(q)
-        stats.budget_used = max(-lo.item(), hi.item())
+        used = max(-lo.item(), hi.item())
+        if math.isnan(used):  # 0/0: exact where the bound is 0 (rare: a second pass only then)
+            lo, hi = torch.aminmax(q.nan_to_num_(nan=0.0))
+            used = max(-lo.item(), hi.item())
+        stats.budget_used = used
     nd, nr = torch.linalg.vector_norm(d).item(), torch.linalg.vector_norm(r).item()
     unit = torch.bitwise_and(r.view(torch.int64), _EXP_BITS, out=e).view(torch.float64)
     unit.clamp_min_(torch.finfo(dtype).tiny)  # spacing / 2**-p: a power of two, so the division is exact
@@ -269,7 +274,7 @@ def _compare_torch_finite(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, d
         return stats
     if bound is not None:
         stats.budget_used = (d / bound).nan_to_num_(nan=0.0).max().item()
-    unit = _pow2_floor(r.abs(), torch).clamp_min_(torch.finfo(dtype).tiny)
+    unit = _pow2_floor(r, torch).clamp_min_(torch.finfo(dtype).tiny)
     return _finish(stats, m, torch.linalg.vector_norm(d).item(), torch.linalg.vector_norm(r).item(),
                    (d / unit).max().item(), dtype)
 
