@@ -249,6 +249,9 @@ class Engine:
         louts = None
         if call.largs is not None:
             _, louts = run_chain(call.chain, Replay(plan, call.largs, call.lkw, out))
+        # spot-check the reference the local error is measured against, before any comparison: where it
+        # is untrusted, the exact value replaces it (and the shadow, when it is that reference)
+        spot = self._spot_check(call, out, louts if call.largs is not None else souts) if call.spot else None
         results, item, n_out = self._results(call, args, kwargs, out, souts, louts)
         budget = self._budget(call, results, n_out) if call.pre is not None and self.opt.budgets else None
         drifts, locals_, flips, lflips, mismatch = [], [], 0, 0, 0
@@ -267,7 +270,6 @@ class Engine:
             if local.norm > 0:
                 local.effective_bits = budget.bits(local.norm ** 2)
             binfo = BudgetInfo(budget.kind, local.budget_used or 0.0, budget.is_default)
-        spot = self._spot_check(call, out, louts if call.largs is not None else souts) if call.spot else None
         cpu = self._cpu_error(call, results) if call.cpu is not None and kind is not Kind.RANDOM else None
         self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
                      mismatch=mismatch, item=item, inputs=call.inputs, spot=spot, budget=binfo, cpu=cpu)
@@ -356,12 +358,18 @@ class Engine:
             return None
 
     def _spot_check(self, call: _Call, out: Any, refs: Any):
-        """mpmath check of sampled elements of the float64 reference the local error was measured against."""
+        """mpmath check of sampled elements of the float64 reference the local error is measured against;
+        untrusted elements of that reference are overwritten with their exact values."""
         plan = call.plan
         dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
         ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
         dtype = next((t.dtype for t in dev if t is not None and shadow_dtype_of(t.dtype)), call.inputs[0].dtype)
-        return self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, dtype)
+        stats = self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, dtype)
+        if stats is not None and not stats.trusted:
+            for s in self.spot.last:
+                if not s.trusted and ref[s.output] is not None:
+                    ref[s.output][s.index] = s.exact  # the exact value, rounded once to float64
+        return stats
 
     def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool, drifts: list, locals_: list,
                 keep: bool = True, dtype: torch.dtype | None = None, budget: Budget | None = None,

@@ -222,8 +222,9 @@ class Report:
         return sorted((r for r in self.records if r.over_budget), key=lambda r: -r.budget.used)
 
     def untrusted(self) -> list[Record]:
-        """Kept calls whose float64 reference a spot check found untrustworthy (cancellation): their
-        error figures are not to be believed; ``rec.spot`` has the error against the exact value."""
+        """Kept calls whose float64 reference a spot check found untrustworthy (cancellation). Their error
+        figures use the exact value at the sampled elements, which it also gives the shadow; the other
+        elements' reference is suspect too. ``rec.spot`` has the reference's own error."""
         return [r for r in self.records if r.spot is not None and r.spot.checked and not r.spot.trusted]
 
     def find(self, op: str | None = None, module: str | None = None, phase: str | None = None) -> list[Record]:

@@ -22,8 +22,8 @@ def test_training_steps_have_only_trusted_spot_checks(name):
 
 
 def test_cancelling_sum_is_flagged_untrusted_with_the_exact_error():
-    # fp32 device: 1e16 and -1e16 cancel exactly, the 1.0 and 3.0 survive: the device sum is 4 (exact);
-    # the float64 shadow adds 1e16 + 1 first and loses the 1: its 3 is off by 2^52 float64 ulps of 1
+    # the exact sum is 4; the float64 shadow adds 1e16 + 1 first and loses the 1: its 3 is off by 2^52
+    # float64 ulps of 1 (the float32 device, summing in its own order, may lose it too)
     x = torch.tensor([1e16, 1.0, -1e16, 3.0])
     with ShadowMode() as sm:
         s = x.sum()
@@ -32,6 +32,21 @@ def test_cancelling_sum_is_flagged_untrusted_with_the_exact_error():
     assert rec.spot.device_err_abs == abs(s.item() - 4.0)
     assert sm.report.untrusted() == [rec]
     assert "1 !" in sm.report.table()  # the untrusted column flags the row
+    # the error figures use the exact value, and the shadow carries it on
+    assert rec.local.max_abs == rec.drift.max_abs == abs(s.item() - 4.0)
+    assert sm.shadow_of(s).item() == 4.0
+
+
+def test_untrusted_reference_elements_are_replaced_by_the_exact_value_in_the_error_figures():
+    # the fp32 device loses the 1.0 next to 1e16 (1e16 + 1 rounds back in float32 and float64 alike);
+    # the exact sum is 1: the float64 reference says the device is exact, the exact value says it is off by 1
+    x = torch.tensor([1e16, 1.0, -1e16])
+    with ShadowMode(spot_checks=4) as sm:
+        s = x.sum()
+    rec = sm.report.records[0]
+    assert s.item() == 0.0 and not rec.spot.trusted
+    assert rec.local.max_abs == 1.0 and rec.local.max_ulp > 1e6  # 1.0 against an exact 1: 2**23 ulps
+    assert sm.shadow_of(s).item() == 1.0
 
 
 def test_spot_checks_off_and_float64_devices():
