@@ -642,20 +642,35 @@ def _iadd(b: torch.Tensor, t: Any) -> torch.Tensor:
     return b.add_(t)
 
 
-def _scaled_abs(t: Any, k: Any, fresh: bool = True) -> Any:
-    """k * |t|, in place in t when it is a ``fresh`` float temporary computed for this purpose."""
-    if not isinstance(t, torch.Tensor):
-        return k * abs(t)
-    t = t.abs_() if fresh and t.is_floating_point() else t.abs()
-    if not t.is_floating_point():
-        t = t.to(torch.float64)
-    if isinstance(k, torch.Tensor) and torch.broadcast_shapes(t.shape, k.shape) != t.shape:
-        return t * k
-    return t.mul_(k)
-
-
 def _scale(v: Any) -> Any:
     return 1.0 if v is None else v
+
+
+def _with_fused_term(c: BudgetCall, family: str, add_term: Callable[[torch.Tensor], torch.Tensor]) -> Budget:
+    """As :func:`_with_operand_term`, with the term added into the ulps tensor by one fused in-place op
+    (``add_term(b)`` returns b; the operands broadcast to the result's shape, so b can take them).
+    These are the optimizer's ops: every parameter, every step."""
+    r = c.out()
+    return c.budget("elementwise", lambda: [add_term(_ulp_bound(c, r, ULPS[family]))])
+
+
+def _absf(t: Any) -> Any:
+    """|t| as a real float tensor or number (integer operands of float ops too)."""
+    if not isinstance(t, torch.Tensor):
+        return abs(t)
+    return t.abs() if t.is_floating_point() or t.is_complex() else t.abs().to(torch.float64)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """a and b are the same values: one tensor, or two views of the same memory with one layout."""
+    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                      and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+
+
+def _abs_fresh(t: torch.Tensor) -> torch.Tensor:
+    """|t| of a temporary computed for the bound: in place where it stays real."""
+    return t.abs() if t.is_complex() else t.abs_()
 
 
 @register_budget(*overloads("add", "sub"))
@@ -664,8 +679,8 @@ def add_budget(c: BudgetCall) -> Budget:
     other, alpha = c.a.get("other"), _scale(c.a.get("alpha"))
     if isinstance(other, torch.Tensor) and alpha == 1:
         return c.ulps("elementwise", ULPS["arith"])
-    k = 2 * c.u * _abs(alpha)
-    return _with_operand_term(c, "arith", lambda: _scaled_abs(other, k, fresh=False))
+    k = 2 * c.u * abs(alpha)
+    return _with_fused_term(c, "arith", lambda b: b.add_(_absf(other), alpha=k))
 
 
 @register_budget(*overloads("rsub"))
@@ -678,15 +693,19 @@ def rsub_budget(c: BudgetCall) -> Budget:
 @register_budget(*overloads("addcmul"))
 def addcmul_budget(c: BudgetCall) -> Budget:
     """self + value*t1*t2: the product is rounded (twice, value included) before the add."""
-    a = c.a
-    return _with_operand_term(c, "arith", lambda: _scaled_abs(a["tensor1"] * a["tensor2"], 3 * c.u * _abs(_scale(a["value"]))))
+    t1, t2 = c.a["tensor1"], c.a["tensor2"]
+    k = 3 * c.u * abs(_scale(c.a["value"]))
+    if _same(t1, t2) and not t1.is_complex():  # Adam's g * g: non-negative, no |.| temporaries
+        return _with_fused_term(c, "arith", lambda b: b.addcmul_(t1, t1, value=k))
+    return _with_fused_term(c, "arith", lambda b: b.addcmul_(_absf(t1), _absf(t2), value=k))
 
 
 @register_budget(*overloads("addcdiv"))
 def addcdiv_budget(c: BudgetCall) -> Budget:
     """self + value*t1/t2: the quotient is rounded (twice, value included) before the add."""
     a = c.a
-    return _with_operand_term(c, "arith", lambda: _scaled_abs(a["tensor1"] / a["tensor2"], 3 * c.u * _abs(_scale(a["value"]))))
+    k = 3 * c.u * abs(_scale(a["value"]))
+    return _with_fused_term(c, "arith", lambda b: b.add_(_abs_fresh(a["tensor1"] / a["tensor2"]), alpha=k))
 
 
 @register_budget(*overloads("lerp"))
@@ -694,7 +713,10 @@ def lerp_budget(c: BudgetCall) -> Budget:
     """start + w*(end - start) (or end - (1-w)*(end - start)): the difference and its product are rounded."""
     a = c.a
     w = a["weight"]
-    return _with_operand_term(c, "arith", lambda: _scaled_abs(a["end"] - a["self"], 3 * c.u * (_abs(w) + _abs(1 - w))))
+    if isinstance(w, torch.Tensor):
+        return _with_operand_term(c, "arith", lambda: 3 * c.u * (w.abs() + (1 - w).abs()) * (a["end"] - a["self"]).abs())
+    k = 3 * c.u * (abs(w) + abs(1 - w))
+    return _with_fused_term(c, "arith", lambda b: b.add_(_abs_fresh(a["end"] - a["self"]), alpha=k))
 
 
 # --- foreach ops: each list element under the rule of the op the name says ---

@@ -217,9 +217,15 @@ class Engine:
     def _local_args(self, plan: OpPlan, args, kwargs, sargs, skw) -> tuple[list, dict]:
         """The device's own inputs, upcast exactly (copies: the replay may write them)."""
         largs, lkw = list(sargs), dict(skw)
+        seen: dict[int, torch.Tensor] = {}  # a tensor passed twice (Adam's addcmul_(g, g)) is upcast once
 
         def up(t: Any) -> Any:
-            return self.mirror.upcast(t) if isinstance(t, torch.Tensor) else t
+            if not isinstance(t, torch.Tensor):
+                return t
+            c = seen.get(id(t))
+            if c is None:
+                c = seen[id(t)] = self.mirror.upcast(t)
+            return c
 
         for spec in plan.tensor_args:
             v = spec.get(args, kwargs)
