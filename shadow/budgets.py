@@ -186,7 +186,8 @@ class Budget:
     def bits(self, err_sq_sum: float) -> float:
         """:func:`effective_bits` of an observed sum of squared errors under this op's scales."""
         s, acc = self._scales()
-        return effective_bits(err_sq_sum, s, acc, self._dtype)
+        n = sum(r.numel() for r in self._outputs if _is_float(r))
+        return effective_bits(err_sq_sum, s, acc, self._dtype, n)
 
     def effective_bits(self, abs_errs: Sequence[torch.Tensor | None]) -> float:
         """:func:`effective_bits` of the observed errors of every output under this op's scales."""
@@ -245,7 +246,7 @@ def budget_used(abs_err: torch.Tensor, bound: torch.Tensor) -> float:
 
 
 def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0.0,
-                   dtype: torch.dtype | None = None) -> float:
+                   dtype: torch.dtype | None = None, n_out: int = 1) -> float:
     """The stored mantissa bits p that explain an observed error, under the model "every quantity the op
     is sensitive to is rounded once to p bits, independently, and the op's long sums accumulate as a
     correct kernel in ``dtype`` would": p = -log2(u_eff) - 1 with
@@ -261,6 +262,10 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0
     correctly rounded float32 op reads ~23, a matmul on inputs rounded to TF32's 10 mantissa bits ~10.
     Where the accumulation alone explains the whole error (a correct kernel's), the figure is the
     dtype's own p (23 for float32): no input seems to have carried fewer bits than the dtype stores.
+    With a ``dtype`` the figure never exceeds that p (a lucky result carries no more bits than are stored).
+    ``ua**2 * ACC`` is the accumulation's *expected* contribution; over ``n_out`` outputs its realized value
+    scatters by ~sqrt(2 / n_out) of it (a chi-square), so what is subtracted is that expectation plus three
+    such deviations: one unlucky output of a correct sum (a full reduction) is not read as lost bits.
 
     Why not solve the worst-case bound for u (gamma_K(u) * |A||B| = error)? Random rounding errors
     cancel, so the worst case overstates typical errors by ~K**1.5 for a matmul and the solved p would
@@ -277,13 +282,14 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0
     if err_sq_sum <= 0.0:
         return math.inf
     excess = err_sq_sum / KAPPA
+    p_max = math.inf if dtype is None else float(precision_bits(dtype.to_real() if dtype.is_complex else dtype))
     if acc_sq_sum > 0.0 and dtype is not None:
-        excess -= unit_roundoff(accumulation_dtype(dtype)) ** 2 * acc_sq_sum
+        excess -= unit_roundoff(accumulation_dtype(dtype)) ** 2 * acc_sq_sum * (1 + 3 * math.sqrt(2 / max(n_out, 1)))
         if excess <= 0.0:
-            return float(precision_bits(dtype.to_real() if dtype.is_complex else dtype))
+            return p_max
     if scale_sq_sum <= 0.0 or math.isinf(err_sq_sum):
         return -math.inf
-    return -0.5 * math.log2(excess / scale_sq_sum) - 1.0
+    return min(-0.5 * math.log2(excess / scale_sq_sum) - 1.0, p_max)
 
 
 # --- the normalized input every rule gets ---
@@ -803,7 +809,8 @@ def sum_budget(c: BudgetCall, *, mean: bool = False, nan: bool = False) -> Budge
 
     def scale_sq():
         n = _count(x, _dims(x, c.a.get("dim")))
-        return _sumsq(x) / (n * n if mean else 1)
+        s = _sumsq(x) / (n * n if mean else 1)  # the terms t = x (x / n for the mean)
+        return s, _accumulation_sq(n, s, _sumsq(r))
 
     return c.budget("reduction", make, scale_sq)
 
@@ -829,9 +836,16 @@ def cumsum_budget(c: BudgetCall) -> Budget:
     x, r = c.a["self"], c.out()
     dim = c.a["dim"]
     n = x.shape[dim] if x.dim() else 1
+    def scale_sq():
+        # output k of a row carries the roundings of the partial sums r_1..r_k (sequential by definition):
+        # summed over outputs, sum_j (n - j + 1) r_j**2
+        rr = _at_least_1d(r)
+        d = dim % rr.dim()
+        w = torch.arange(n, 0, -1, dtype=torch.float64).reshape([n if i == d else 1 for i in range(rr.dim())])
+        return _sumsq(x), float(torch.nansum(rr.square() * w))
+
     return c.budget("reduction", lambda: [torch.add(c.final(r), _at_least_1d(x).abs().cumsum(dim).reshape(x.shape),
-                                                    alpha=gamma(n, c.ua))],
-                    lambda: _sumsq(x))
+                                                    alpha=gamma(n, c.ua))], scale_sq)
 
 
 @register_budget(*overloads("cumprod"))
@@ -919,7 +933,10 @@ def norm_budget(c: BudgetCall) -> Budget:
         return c.ulps("movement", ULPS["movement"])
     n = _count(x, _dims(x, c.a.get("dim")))
     rel = (gamma(n, c.ua) + _EXP_ULPS * c.ua) / abs(p) + _EXP_ULPS * c.ua
-    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=rel)])
+    # the sum S of positive terms |x|**p accumulates as _accumulation_sq (its term K/3 S**2 dominates), and
+    # r = S**(1/p) carries 1/p of S's relative error: sum over outputs of K/3 (r/p)**2
+    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=rel)],
+                    lambda: (_sumsq(r), n / (3.0 * p * p) * _sumsq(r)))
 
 
 register_budget(*overloads("linalg_vector_norm", "norm"))(norm_budget)
@@ -954,7 +971,9 @@ def softmax_budget(c: BudgetCall) -> Budget:
         b = torch.add(torch.full((), 2 * c.floor(), dtype=torch.float64), y, alpha=rel + 2 * c.u)
         return [b.add_(torch.special.entr(y), alpha=c.ua)]
 
-    return c.budget("reduction", make)
+    # the row sum S of positive terms accumulates as _accumulation_sq (K/3 S**2), and every y_i carries
+    # S's relative error: sum over outputs of n/3 y**2
+    return c.budget("reduction", make, lambda: (_sumsq(y), n / 3.0 * _sumsq(y)))
 
 
 @register_budget(*overloads("_log_softmax", "log_softmax", "special_log_softmax"))
@@ -1028,6 +1047,8 @@ def _accumulation_sq(K: int, terms_sq: float, result_sq: float) -> float:
     all outputs, given sum t**2 over every term t and sum c**2 over every result c. With the terms in
     random order the partial sums form a Brownian bridge from 0 to c: E[s_j**2] = (j/K)**2 c**2 +
     (j/K)(1 - j/K) V, V = sum t**2 - c**2 / K; summed over j: K/3 c**2 + K/6 V."""
+    if K <= 0:  # empty inner products: no accumulation
+        return 0.0
     return K / 3.0 * result_sq + K / 6.0 * max(terms_sq - result_sq / K, 0.0)
 
 
