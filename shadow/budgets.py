@@ -40,7 +40,9 @@ Error units (DESIGN.md): ``budget_used = max(abs / bound)``; ``effective_bits`` 
 :func:`effective_bits`. Cost: for matmul, convolution and attention the bound avoids a second product
 (Cauchy-Schwarz norms: ~10-30% of the float64 replay for large operands); memory-bound ops (sums,
 norms, softmax) need a few passes over their data, more than their one-pass fused replay; ulps budgets
-cost nothing when the caller already has max_ulp (``budget_used = max_ulp / ulps``).
+cost nothing when the caller already has max_ulp (``budget_used = max_ulp / ulps``); the optimizer's
+ops (add with alpha, addcmul, addcdiv, lerp) add their operand term into the ulps tensor in one fused
+in-place op. Benchmarked (benchmarks/RESULTS.md): 12-32 % of the replay work on a training step.
 """
 
 from __future__ import annotations
