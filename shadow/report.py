@@ -110,6 +110,7 @@ class Aggregate:
     first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
     max_budget_used: float = 0.0  # the worst local error as a fraction of its budget (> 1: over)
     over_budget: int = 0  # calls over budget
+    min_effective_bits: float = math.inf  # the fewest mantissa bits a call's local error reads (inf: all exact)
     spot_checked: int = 0  # calls whose float64 reference was spot-checked with mpmath
     spot_untrusted: int = 0  # ... and found less accurate than the device error needs
 
@@ -126,6 +127,9 @@ class Aggregate:
         if rec.budget is not None and not rec.budget.is_default:
             self.max_budget_used = max(self.max_budget_used, rec.budget.used)
             self.over_budget += rec.budget.used > 1.0
+            bits = rec.local.effective_bits if rec.local is not None else None
+            if bits is not None and not math.isnan(bits):
+                self.min_effective_bits = min(self.min_effective_bits, bits)
         if rec.spot is not None and rec.spot.checked:
             self.spot_checked += 1
             self.spot_untrusted += not rec.spot.trusted
@@ -240,9 +244,10 @@ class Report:
     def table(self, by: str = "op", top: int | None = None) -> str:
         """A text table of the aggregates, worst local error first.
 
-        columns: calls, max local ulp, max budget used (``!``: some call over budget), max drift rel_norm,
-        flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
-        untrustworthy (``!`` marks rows with any)."""
+        columns: calls, max local ulp, max budget used (``!``: some call over budget), the fewest effective
+        bits of a call (``-``: exact or no budget; a long TF32 matmul within its worst-case budget still
+        reads ~10 here), max drift rel_norm, flips, non-finite, unsupported calls, calls whose float64
+        reference a spot check found untrustworthy (``!`` marks rows with any)."""
         tables = {"op": self.by_op, "module": self.by_module}
         if by not in tables:
             raise ValueError(f"table(by={by!r}): expected one of {sorted(tables)}")
@@ -251,13 +256,15 @@ class Report:
         if top is not None:
             rows = rows[:top]
         name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
-        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'budget':>8}  {'drift rel':>10}  {'flips':>6}"
+        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}  {'drift rel':>10}  {'flips':>6}"
                 f"  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
         lines = [head, "-" * len(head)]
         for key, a in rows:
             lines.append(
                 f"{key or '(none)':<{name_w}}  {a.calls:>6}  {_fmt(a.max_local_ulp):>10}"
-                f"  {_fmt(a.max_budget_used) + (' !' if a.over_budget else ''):>8}  {_fmt(a.max_drift_rel):>10}"
+                f"  {_fmt(a.max_budget_used) + (' !' if a.over_budget else ''):>8}"
+                f"  {'-' if math.isinf(a.min_effective_bits) else f'{a.min_effective_bits:.1f}':>5}"
+                f"  {_fmt(a.max_drift_rel):>10}"
                 f"  {a.flips:>6}  {a.nonfinite:>6}  {a.kinds.get('unsupported', 0):>5}"
                 f"  {(str(a.spot_untrusted) + ' !') if a.spot_untrusted else '0':>7}"
             )

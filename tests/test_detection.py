@@ -129,3 +129,18 @@ def test_compare_cpu_ratio_flags_the_emulated_tf32_matmul_only():
     with ShadowMode() as sm:
         a @ b
     assert sm.report.records[0].cpu is None and sm.report.records[0].cpu_ratio is None
+
+
+def test_long_tf32_matmul_within_the_worst_case_budget_reads_10_bits():
+    # at K = 4096 the float32 worst case gamma_K |A||B| exceeds TF32's typical error on random data (the bound
+    # grows as K u, TF32's error relative to |A||B| shrinks as 1/sqrt(K)): the budget cannot tell, the
+    # effective bits can, and the table shows them
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 4096), torch.randn(4096, 64)
+    with TF32Mode(), ShadowMode(spot_checks="off") as sm:
+        a @ b
+    r = sm.report.records[0]
+    assert not r.over_budget and abs(r.local.effective_bits - 10) <= 1.5
+    assert abs(sm.report.by_op["aten.mm.default"].min_effective_bits - 10) <= 1.5
+    row = next(line for line in sm.report.table().splitlines() if line.startswith("aten.mm.default"))
+    assert f"{r.local.effective_bits:.1f}" in row.split()
