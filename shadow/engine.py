@@ -173,15 +173,30 @@ class Engine:
         return a, kw
 
     def _pre_inputs(self, plan: OpPlan, call: _Call) -> tuple[list, dict]:
-        """The reference's inputs as they are before the op (written ones copied: the replays write them)."""
+        """The reference's inputs as they are before the op: written ones copied (the replays write them),
+        and so are read ones that share memory with a written one (``x.add_(x, alpha=2)``)."""
         a, kw = (call.largs, call.lkw) if call.largs is not None else (call.sargs, call.skw)
         a, kw = list(a), dict(kw)
+        written: set[int] = set()
         for spec in plan.writes:
             v = spec.get(a, kw)
+            for t in (v if isinstance(v, list) else [v]):
+                if isinstance(t, torch.Tensor):
+                    written.add(t.untyped_storage().data_ptr())
+        if not written:
+            return a, kw
+
+        def copy(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in written:
+                return t.clone()
+            return t
+
+        for spec in plan.tensor_args:
+            v = spec.get(a, kw)
             if isinstance(v, torch.Tensor):
-                spec.put(a, kw, v.clone())
+                spec.put(a, kw, copy(v))
             elif isinstance(v, list):
-                spec.put(a, kw, [t.clone() if isinstance(t, torch.Tensor) else t for t in v])
+                spec.put(a, kw, [copy(t) for t in v])
         return a, kw
 
     def _shadow_arg(self, call: _Call, t: Any, write: bool, declared: bool) -> Any:

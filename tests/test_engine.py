@@ -411,3 +411,18 @@ def test_float64_device_identity_on_a_mixed_program():
     for r in sm.report.records:
         assert r.drift is None or r.drift.exact, r
     assert math.isfinite(loss.item())
+
+
+def test_budget_reads_inputs_aliasing_a_written_argument_as_they_were():
+    # x.add_(x, alpha=...): `other` is the written `self`; the budget's operand term must see x before the op
+    from shadow.budgets import budget_for
+
+    torch.manual_seed(0)
+    x = torch.randn(1000)
+    x0 = x.double()
+    with ShadowMode(spot_checks="off") as sm:
+        x.add_(x, alpha=1 / 3)
+    r = x0 + x0 / 3
+    expected = budget_for(torch.ops.aten.add_.Tensor, (x0.clone(), x0.clone()), {"alpha": 1 / 3}, [r], torch.float32)
+    rec = sm.report.records[0]
+    assert rec.budget.used == expected.used([(x.double() - sm.shadow_of(x)).abs()]) > 0
