@@ -811,8 +811,8 @@ def sum_budget(c: BudgetCall, *, mean: bool = False, nan: bool = False) -> Budge
 
     def scale_sq():
         n = _count(x, _dims(x, c.a.get("dim")))
-        s = _sumsq(x) / (n * n if mean else 1)  # the terms t = x (x / n for the mean)
-        return s, _accumulation_sq(n, s, _sumsq(r))
+        s, r_sq = _sumsq(x) / (n * n if mean else 1), _sumsq(r)  # the terms t = x (x / n for the mean)
+        return s + _out_rounding_sq(c, r_sq), _accumulation_sq(n, s, r_sq)
 
     return c.budget("reduction", make, scale_sq)
 
@@ -844,7 +844,7 @@ def cumsum_budget(c: BudgetCall) -> Budget:
         rr = _at_least_1d(r)
         d = dim % rr.dim()
         w = torch.arange(n, 0, -1, dtype=torch.float64).reshape([n if i == d else 1 for i in range(rr.dim())])
-        return _sumsq(x), float(torch.nansum(rr.square() * w))
+        return _sumsq(x) + _out_rounding_sq(c, _sumsq(r)), float(torch.nansum(rr.square() * w))
 
     return c.budget("reduction", lambda: [torch.add(c.final(r), _at_least_1d(x).abs().cumsum(dim).reshape(x.shape),
                                                     alpha=gamma(n, c.ua))], scale_sq)

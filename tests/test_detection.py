@@ -144,3 +144,18 @@ def test_long_tf32_matmul_within_the_worst_case_budget_reads_10_bits():
     assert abs(sm.report.by_op["aten.mm.default"].min_effective_bits - 10) <= 1.5
     row = next(line for line in sm.report.table().splitlines() if line.startswith("aten.mm.default"))
     assert f"{r.local.effective_bits:.1f}" in row.split()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_correct_cpu_reductions_read_about_their_dtypes_bits(dtype):
+    # the CPU's own kernels: float32 sums, cumsums, softmax, norms and matmuls read ~23 bits (their float32
+    # accumulation is in the model), bfloat16 ones ~7 and float16 ones ~10 (their result's rounding is)
+    torch.manual_seed(0)
+    x = torch.rand(64, 4096).to(dtype)
+    with ShadowMode(spot_checks="off") as sm:
+        x.sum(1), x.mean(1), x.cumsum(1), x.softmax(1), torch.linalg.vector_norm(x, dim=1), x @ x[:32].T
+    p = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    recs = [r for r in sm.report.records if r.budget is not None and r.local is not None]
+    assert len(recs) == 6
+    for r in recs:
+        assert p - 0.5 <= r.local.effective_bits <= p, (r.op, r.local.effective_bits)
