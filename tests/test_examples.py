@@ -81,7 +81,7 @@ def test_linear_vs_matmul_local_errors_add_up(linear_vs_matmul):
 # --- examples/train_step.py ---
 def test_train_step_example():
     out = ok(run("examples/train_step.py"))
-    assert re.search(r"^op\s+calls\s+local ulp\s+budget\s+drift rel", out, re.M)
+    assert re.search(r"^op\s+calls\s+local ulp\s+budget\s+bits\s+drift rel", out, re.M)
     assert re.search(r"^aten\.addmm\.default\s+3\s", out, re.M)  # 3 Linear layers, one forward
     worst = floats(rf"#\d+\s+aten\.\S+\s+\S+\s+(?:forward|backward|optimizer|other)\s+{NUM} ulp\s+{NUM} abs", out)
     assert len(worst) == 5
