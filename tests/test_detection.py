@@ -92,10 +92,14 @@ def test_fp16_accumulation_detected_on_long_reductions_and_matmuls():
     assert by_op["aten.sum.default"][0].over_budget
     assert by_op["aten.mm.default"][0].over_budget
     assert not by_op["aten.sum.default"][1].over_budget
+    # float16 stores 10 bits: the fp16-accumulated sum and matmul read far fewer (6.3 and 4.8 here)
+    assert by_op["aten.sum.default"][0].local.effective_bits < 8
+    assert by_op["aten.mm.default"][0].local.effective_bits < 8
     with ShadowMode(spot_checks="off") as sm:  # the same ops on PyTorch's own kernels (fp32 accumulation)
         x.sum()
         a @ b
     assert sm.report.over_budget() == []
+    assert all(9.5 <= r.local.effective_bits <= 10 for r in sm.report.records)
 
 
 def test_flush_to_zero_detected_on_subnormal_inputs():
