@@ -1306,7 +1306,20 @@ def conv_backward_budget(c: BudgetCall) -> Budget:
                                                          m.reshape(r.shape), alpha=g)))
         return bounds
 
-    return c.budget("conv", make)
+    return c.budget("conv", make, lambda: _results_accumulated(c, (K_in, K_w, K_b)))
+
+
+def _results_accumulated(c: BudgetCall, Ks: Sequence[int]) -> tuple[float, float]:
+    """(scale, accumulation) for outputs that are each a K-term sum, without the terms at hand: the results'
+    own rounding, and _accumulation_sq's drift part K/3 r**2 (its random-walk part needs the terms: left
+    out, so the estimate is low and the bits read conservatively)."""
+    scale = acc = 0.0
+    for r, K in zip(c.outputs, Ks):
+        if _is_float(r):
+            r_sq = _sumsq(r)
+            scale += r_sq
+            acc += _accumulation_sq(K, 0.0, r_sq)
+    return scale, acc
 
 
 @register_budget(*overloads("upsample_linear1d_backward", "upsample_bilinear2d_backward",
