@@ -25,6 +25,7 @@ from .schema import ArgKind, OpPlan, build_plan, flat_returns
 from .spot import SpotPolicy
 
 _INF = math.inf
+_ONE_ROUNDING = frozenset({"elementwise", "movement", "foreach", "empty", "default", "unbounded"})  # no sum to rank
 _no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
 
 
@@ -270,11 +271,11 @@ class Engine:
         louts = None
         if call.largs is not None:
             _, louts = run_chain(call.chain, Replay(plan, call.largs, call.lkw, out))
-        # spot-check the reference the local error is measured against, before any comparison: where it
-        # is untrusted, the exact value replaces it (and the shadow, when it is that reference)
-        spot = self._spot_check(call, out, louts if call.largs is not None else souts) if call.spot else None
         results, item, n_out = self._results(call, args, kwargs, out, souts, louts)
         budget = self._budget(call, results, n_out) if call.pre is not None and self.opt.budgets else None
+        # spot-check the reference the local error is measured against, before any comparison: where it
+        # is untrusted, the exact value replaces it (and the shadow, when it is that reference)
+        spot = self._spot_check(call, out, louts if call.largs is not None else souts, budget) if call.spot else None
         drifts, locals_, flips, lflips, mismatch = [], [], 0, 0, 0
         for d, sh, lo, written, bidx in results:
             if isinstance(d, torch.Tensor):
@@ -378,14 +379,21 @@ class Engine:
                 f"budget of {call.plan.name}", f"internal error: {type(exc).__name__}: {exc}"[:240])
             return None
 
-    def _spot_check(self, call: _Call, out: Any, refs: Any):
+    def _spot_check(self, call: _Call, out: Any, refs: Any, budget: Budget | None):
         """mpmath check of sampled elements of the float64 reference the local error is measured against;
-        untrusted elements of that reference are overwritten with their exact values."""
+        untrusted elements of that reference are overwritten with their exact values. With the budget of a
+        sum (reductions, matmul, convolution, norms, losses, attention), bound / |reference| is the
+        condition estimate that picks the first samples (sum|x| / |sum x| for sums, ||a_i|| ||b_j|| / |c_ij|
+        for matmuls: where the reference cancels). Elementwise ops are one float64 rounding of exact inputs:
+        their reference cannot cancel below float64's own rounding, and their samples stay random."""
         plan = call.plan
         dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
         ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
         dtype = next((t.dtype for t in dev if t is not None and shadow_dtype_of(t.dtype)), call.inputs[0].dtype)
-        stats = self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, dtype)
+        priority = None
+        if budget is not None and budget.ulps is None and budget.kind not in _ONE_ROUNDING:
+            priority = [_condition(b, r) for b, r in zip(budget.bound, ref)]
+        stats = self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, dtype, priority)
         if stats is not None and not stats.trusted:
             for s in self.spot.last:
                 if not s.trusted and ref[s.output] is not None:
@@ -496,6 +504,15 @@ class Engine:
                 raise KeyError("shadow_of: this tensor's storage was never seen by this ShadowMode "
                                "(create or use it inside the `with ShadowMode()` block)")
             return v.clone()
+
+
+def _condition(bound: Any, r: Any) -> torch.Tensor | None:
+    """bound / |r| elementwise (a budget's error bound relative to the result: large where r cancels)."""
+    if not isinstance(bound, torch.Tensor) or not isinstance(r, torch.Tensor) or r.is_complex() \
+            or not r.is_floating_point():
+        return None
+    a = r.abs()
+    return torch.div(bound, a, out=a) if bound.shape == r.shape else torch.broadcast_to(bound, r.shape) / a
 
 
 def _scalar(v: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -295,6 +295,10 @@ def _priority_order(priority: torch.Tensor | None, n: int) -> list[int]:
     if priority is None or n <= 0 or priority.numel() == 0:
         return []
     p = priority.detach().reshape(-1).to("cpu", torch.float64)
+    if n == 1:  # the default: one pass, NaN (which argmax prefers) removed only where one wins
+        i = int(p.argmax())
+        if not math.isnan(p[i].item()):
+            return [i]
     p = torch.nan_to_num(p, nan=-math.inf)
     return torch.topk(p, min(n, p.numel())).indices.tolist()
 

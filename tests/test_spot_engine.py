@@ -57,3 +57,17 @@ def test_spot_checks_off_and_float64_devices():
     with ShadowMode() as sm:  # float64 devices: the reference has no headroom over the device: not checked
         x.double() @ x.double()
     assert all(r.spot is None for r in sm.report.records)
+
+
+def test_first_samples_go_where_the_budget_says_the_reference_cancels():
+    # 4096 row sums, one of which cancels: [1e16, 1, -1e16, 3] sums to 4 exactly, float64 says 3. Two random
+    # samples would miss that row almost surely; the budget's bound / |result| ranks it first
+    torch.manual_seed(0)
+    x = torch.rand(4096, 4)
+    x[1234] = torch.tensor([1e16, 1.0, -1e16, 3.0])
+    with ShadowMode() as sm:
+        s = x.sum(1)
+    rec = sm.report.records[0]
+    assert rec.spot.checked and not rec.spot.trusted
+    assert sm.shadow_of(s)[1234].item() == 4.0  # the exact value replaced float64's 3
+    assert rec.local.max_abs == abs(s[1234].item() - 4.0)
