@@ -13,6 +13,7 @@ shadows over the device bytes they mirror, right after a step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -23,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from shadow import ShadowMode
+from shadow import engine as shadow_engine
 
 
 def mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -99,16 +101,16 @@ def bench_model(name: str, device: str, reps: int) -> dict:
     configs = {"native": (_step_fn(model, x), device, None), "f64": (_step_fn(f64_model, f64_x), "cpu", None)}
     configs.update({k: (_step_fn(copy.deepcopy(model), x), device, m) for k, m in modes.items()})
     times: dict[str, list[float]] = {k: [] for k in configs}
-    spot_s = _time_spot_checks(modes["full"])
-    for rnd in range(reps + 1):
-        for k, (step, dev, mode) in configs.items():
-            with mode if mode is not None else _nullctx():
-                step()  # untimed: the caches and the allocator get back to this configuration's state
-                t = _once(step, dev)
-            if rnd:  # round 0 warms up (first-sight adoption of every tensor)
-                times[k].append(t)
-            if k == "full" and rnd == 0:
-                spot_s.clear()
+    with _timing_spot_checks(modes["full"]) as spot_s:
+        for rnd in range(reps + 1):
+            for k, (step, dev, mode) in configs.items():
+                with mode if mode is not None else _nullctx():
+                    step()  # untimed: the caches and the allocator get back to this configuration's state
+                    t = _once(step, dev)
+                if rnd:  # round 0 warms up (first-sight adoption of every tensor)
+                    times[k].append(t)
+                if k == "full" and rnd == 0:
+                    spot_s.clear()
     t = {k: statistics.median(v) for k, v in times.items()}
     native, f64, drift, both, budgets, full = (t[k] for k in ("native", "f64", "drift", "both", "budgets", "full"))
     mem = modes["both"].memory()
@@ -131,20 +133,29 @@ def bench_model(name: str, device: str, reps: int) -> dict:
     }
 
 
-def _time_spot_checks(mode: ShadowMode) -> list[float]:
-    """Seconds of every spot check ``mode`` runs, appended to the returned list."""
-    policy = mode._engine.spot
-    check, spent = policy.check, []
+@contextlib.contextmanager
+def _timing_spot_checks(mode: ShadowMode):
+    """Yields a list that collects the seconds of every spot check ``mode`` runs: the check itself, and the
+    condition estimate that ranks the elements of sums for it (patched for the duration only)."""
+    spent: list[float] = []
 
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return check(*a, **kw)
-        finally:
-            spent.append(time.perf_counter() - t0)
+    def timed(f):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent.append(time.perf_counter() - t0)
+        return run
 
-    policy.check = timed
-    return spent
+    policy, condition = mode._engine.spot, shadow_engine._condition
+    policy.check = timed(policy.check)
+    shadow_engine._condition = timed(condition)
+    try:
+        yield spent
+    finally:
+        del policy.check  # the class's method again
+        shadow_engine._condition = condition
 
 
 def bench_per_op(device: str, n: int = 2000, reps: int = 5) -> dict:
