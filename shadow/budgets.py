@@ -354,6 +354,7 @@ def register_budget(*ops: OpOverload) -> Callable[[Rule], Rule]:
                 raise DuplicateBudgetError(op, _EXACT[op])
             _EXACT[op] = rule
         _rule_chain.cache_clear()
+        reads_overwritten.cache_clear()
         return rule
 
     return deco
@@ -365,6 +366,7 @@ def register_budget_predicate(pred: Callable[[OpOverload], bool]) -> Callable[[R
     def deco(rule: Rule) -> Rule:
         _PREDICATES.append((pred, rule))
         _rule_chain.cache_clear()
+        reads_overwritten.cache_clear()
         return rule
 
     return deco
@@ -418,6 +420,24 @@ def budget_for(func: OpOverload, args: Sequence, kwargs: dict, outputs: Sequence
     raise AssertionError("default_budget never falls through")
 
 
+def _reads_no_overwritten(rule: Rule) -> Rule:
+    """Mark a rule that never reads the arguments an in-place op overwrites (its ``self``): the engine then
+    need not copy them before the op for the budget's sake (see :func:`reads_overwritten`)."""
+    rule.reads_overwritten = False
+    return rule
+
+
+@functools.cache
+def reads_overwritten(func: OpOverload) -> bool:
+    """Whether a budget rule of ``func`` may read, as they were before the op, the arguments it overwrites
+    (unmarked rules may: only a rule marked by ``_reads_no_overwritten`` promises not to). ``_foreach_X``
+    ops answer as X."""
+    base = _foreach_base(func)
+    if base is not None:
+        return reads_overwritten(base)
+    return any(getattr(getattr(rule, "func", rule), "reads_overwritten", True) for rule in _rule_chain(func))
+
+
 @functools.cache
 def _rule_chain(func: OpOverload) -> tuple[Rule, ...]:
     chain = [_EXACT[func]] if func in _EXACT else []
@@ -430,6 +450,7 @@ def _rule_chain(func: OpOverload) -> tuple[Rule, ...]:
 DEFAULT_ULPS = 4.0
 
 
+@_reads_no_overwritten
 def default_budget(c: BudgetCall) -> Budget:
     return Budget.in_ulps("default", DEFAULT_ULPS, c.outputs, c.dtype, is_default=True)
 
@@ -521,6 +542,7 @@ POLYNOMIALS = (
 ULPS = {"movement": 1.0, "arith": 2.0, "transcendental": 4.0, "special": 64.0, "pointwise": 4.0}
 
 
+@_reads_no_overwritten
 def ulps_rule(c: BudgetCall, *, kind: str, ulps: float) -> Budget:
     """``ulps`` units in the last place of the result: an elementwise kernel given exact inputs."""
     return c.ulps(kind, ulps)
@@ -625,6 +647,7 @@ def linspace_budget(c: BudgetCall) -> Budget:
 
 
 @register_budget_predicate(lambda f: torch.Tag.pointwise in f.tags)
+@_reads_no_overwritten
 def pointwise_budget(c: BudgetCall) -> Budget:
     """Pointwise ops no family names (tagged ``torch.Tag.pointwise``)."""
     return c.ulps("elementwise", ULPS["pointwise"])
@@ -682,6 +705,7 @@ def _abs_fresh(t: torch.Tensor) -> torch.Tensor:
 
 
 @register_budget(*overloads("add", "sub"))
+@_reads_no_overwritten
 def add_budget(c: BudgetCall) -> Budget:
     """a + alpha*b: ulps of the result, plus the rounding of alpha*b (or of a Python scalar b) before the add."""
     other, alpha = c.a.get("other"), _scale(c.a.get("alpha"))
@@ -699,6 +723,7 @@ def rsub_budget(c: BudgetCall) -> Budget:
 
 
 @register_budget(*overloads("addcmul"))
+@_reads_no_overwritten
 def addcmul_budget(c: BudgetCall) -> Budget:
     """self + value*t1*t2: the product is rounded (twice, value included) before the add."""
     t1, t2 = c.a["tensor1"], c.a["tensor2"]
@@ -709,6 +734,7 @@ def addcmul_budget(c: BudgetCall) -> Budget:
 
 
 @register_budget(*overloads("addcdiv"))
+@_reads_no_overwritten
 def addcdiv_budget(c: BudgetCall) -> Budget:
     """self + value*t1/t2: the quotient is rounded (twice, value included) before the add."""
     a = c.a
@@ -1661,7 +1687,12 @@ _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
 
 
 def _call_with(c: BudgetCall, **changes: Any) -> Any:
+    """The op itself on changed arguments (|x| for a magnitude); out= variants write fresh buffers, never
+    the caller's (those are the shadow's own outputs)."""
     a = dict(c.a, **changes)
+    for arg in c.func._schema.arguments:
+        if arg.is_out and isinstance(a.get(arg.name), torch.Tensor):
+            a[arg.name] = torch.empty(0, dtype=a[arg.name].dtype)
     args = [a[arg.name] for arg in c.func._schema.arguments if not arg.kwarg_only]
     kw = {arg.name: a[arg.name] for arg in c.func._schema.arguments if arg.kwarg_only and arg.name in a}
     return c.func(*args, **kw)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .attribution import Attribution
-from .budgets import Budget, budget_for
+from .budgets import Budget, budget_for, reads_overwritten
 from .devices import cpu_fallback
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import Mirror, shadow_dtype_of
@@ -153,7 +153,7 @@ class Engine:
         # float64 devices have no headroom over the float64 reference: nothing to validate
         spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
         if spot or (self.opt.budgets and self.opt.local and dtype is not None):
-            call.pre = self._pre_inputs(plan, call)
+            call.pre = self._pre_inputs(plan, call, spot)
             call.spot = spot
         if self.opt.compare_cpu and self.opt.local and dtype is not None:
             call.cpu = self._cpu_inputs(plan, args, kwargs)
@@ -173,9 +173,12 @@ class Engine:
                 spec.put(a, kw, torch.device("cpu"))
         return a, kw
 
-    def _pre_inputs(self, plan: OpPlan, call: _Call) -> tuple[list, dict]:
-        """The reference's inputs as they are before the op: written ones copied (the replays write them),
-        and so are read ones that share memory with a written one (``x.add_(x, alpha=2)``)."""
+    def _pre_inputs(self, plan: OpPlan, call: _Call, spot: bool) -> tuple[list, dict]:
+        """The reference's inputs as they are before the op: every input that shares memory with a written
+        argument is copied (the replays write them; ``x.add_(x, alpha=2)``, ``add(x, y, out=x)``), except
+        out= buffers themselves (nothing reads them) and the op's in-place ``self`` when no spot check is
+        planned and the op's budget rules do not read it (elementwise ulps rules, the optimizer's
+        add/addcmul/addcdiv: ``shadow.budgets.reads_overwritten``)."""
         a, kw = (call.largs, call.lkw) if call.largs is not None else (call.sargs, call.skw)
         a, kw = list(a), dict(kw)
         written: set[int] = set()
@@ -186,6 +189,8 @@ class Engine:
                     written.add(t.untyped_storage().data_ptr())
         if not written:
             return a, kw
+        outs = {spec.index for spec in plan.writes} - {spec.index for spec in plan.overwrites}
+        skip = outs if spot or reads_overwritten(plan.func) else {spec.index for spec in plan.writes}
 
         def copy(t: Any) -> Any:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in written:
@@ -193,6 +198,8 @@ class Engine:
             return t
 
         for spec in plan.tensor_args:
+            if spec.index in skip:
+                continue
             v = spec.get(a, kw)
             if isinstance(v, torch.Tensor):
                 spec.put(a, kw, copy(v))

@@ -426,3 +426,18 @@ def test_budget_reads_inputs_aliasing_a_written_argument_as_they_were():
     expected = budget_for(torch.ops.aten.add_.Tensor, (x0.clone(), x0.clone()), {"alpha": 1 / 3}, [r], torch.float32)
     rec = sm.report.records[0]
     assert rec.budget.used == expected.used([(x.double() - sm.shadow_of(x)).abs()]) > 0
+
+
+def test_budget_reads_an_input_its_out_buffer_overwrites_as_it_was():
+    from shadow.budgets import budget_for
+
+    torch.manual_seed(0)
+    x, y = torch.randn(1000), torch.randn(1000)
+    x0, y0 = x.double(), y.double()
+    with ShadowMode(spot_checks="off") as sm:
+        torch.add(y, x, alpha=1 / 3, out=x)  # the operand term reads x, which out= overwrites
+    r = y0 + x0 / 3
+    expected = budget_for(torch.ops.aten.add.out, (y0, x0.clone()), {"alpha": 1 / 3, "out": x0.clone()}, [r],
+                          torch.float32)
+    rec = sm.report.records[0]
+    assert rec.budget.used == expected.used([(x.double() - sm.shadow_of(x)).abs()]) > 0
