@@ -42,7 +42,7 @@ Error units (DESIGN.md): ``budget_used = max(abs / bound)``; ``effective_bits`` 
 norms, softmax) need a few passes over their data, more than their one-pass fused replay; ulps budgets
 cost nothing when the caller already has max_ulp (``budget_used = max_ulp / ulps``); the optimizer's
 ops (add with alpha, addcmul, addcdiv, lerp) add their operand term into the ulps tensor in one fused
-in-place op. Benchmarked (benchmarks/RESULTS.md): 12-32 % of the replay work on a training step.
+in-place op. Benchmarked (benchmarks/RESULTS.md): 12-23 % of the replay work on a training step.
 """
 
 from __future__ import annotations
