@@ -113,6 +113,10 @@ def _subnormal_min(dtype: torch.dtype) -> float:
 KAPPA = 1.0 / (8.0 * math.log(2.0))
 
 
+# rule families whose bound is gamma_n times a sum of magnitudes (the rest round once per element)
+SUM_KINDS = frozenset({"reduction", "matmul", "conv", "norm", "loss", "attention", "fft"})
+
+
 # --- the record a rule returns ---
 class Budget:
     """The error budget of one op call: a bound per output element and how it was derived.
@@ -156,9 +160,15 @@ class Budget:
                 self._bound = tuple(self._make())
             else:  # ulps of the result
                 rd = self._dtype.to_real() if self._dtype.is_complex else self._dtype
-                self._bound = tuple(spacing(r.abs() if r.is_complex() else r, rd, self.ulps) if _is_float(r) else None
+                self._bound = tuple(spacing(r, rd, self.ulps) if _is_float(r) else None
                                     for r in self._outputs)
         return self._bound
+
+    @property
+    def of_sum(self) -> bool:
+        """The bound is one of a sum's (``SUM_KINDS``): bound / |result| then estimates how much the result
+        cancels (sum|x| / |sum x|, ||a_i|| ||b_j|| / |c_ij|); spot checks look there first."""
+        return self.kind in SUM_KINDS and self.ulps is None
 
     def scale_sq(self) -> float:
         """Sum over output elements of T**2, T the one-rounding error scale of :func:`effective_bits`
@@ -576,7 +586,7 @@ _SPECIAL_ABS = 16.0  # special functions near their zeros: an absolute floor of 
 
 
 def operand_term_rule(c: BudgetCall, *, family: str, term: Callable[[BudgetCall], Any]) -> Budget:
-    return _with_operand_term(c, family, lambda: term(c))
+    return _with_operand_term(c, family, lambda b: _iadd(b, term(c)))
 
 
 for _names, _family in ((ARITH, "arith"), (TRANSCENDENTAL, "transcendental")):
@@ -655,15 +665,17 @@ def pointwise_budget(c: BudgetCall) -> Budget:
 
 def _ulp_bound(c: BudgetCall, r: torch.Tensor, n: float) -> torch.Tensor:
     rd = c.dtype.to_real() if c.dtype.is_complex else c.dtype
-    return spacing(r.abs() if r.is_complex() else r, rd, n)
+    return spacing(r, rd, n)
 
 
-def _with_operand_term(c: BudgetCall, family: str, term: Callable[[], Any]) -> Budget:
+def _with_operand_term(c: BudgetCall, family: str, add_term: Callable[[torch.Tensor], torch.Tensor]) -> Budget:
     """ulps of the result plus a term relative to an operand: what a rounding *before* a cancelling
     add costs (a scaled operand, a Python scalar rounded to the compute type). Reduced-precision kernels
-    may round that intermediate in the device dtype (bf16 add with alpha does), so the term is in u."""
+    may round that intermediate in the device dtype (bf16 add with alpha does), so the term is in u.
+    ``add_term(b)`` adds the term into b, the fresh ulps tensor, and returns the bound: in place by one fused
+    op where it can (the optimizer's add/addcmul/addcdiv/lerp: every parameter, every step), else ``_iadd``."""
     r = c.out()
-    return c.budget("elementwise", lambda: [_iadd(_ulp_bound(c, r, ULPS[family]), term())])
+    return c.budget("elementwise", lambda: [add_term(_ulp_bound(c, r, ULPS[family]))])
 
 
 def _iadd(b: torch.Tensor, t: Any) -> torch.Tensor:
@@ -675,21 +687,6 @@ def _iadd(b: torch.Tensor, t: Any) -> torch.Tensor:
 
 def _scale(v: Any) -> Any:
     return 1.0 if v is None else v
-
-
-def _with_fused_term(c: BudgetCall, family: str, add_term: Callable[[torch.Tensor], torch.Tensor]) -> Budget:
-    """As :func:`_with_operand_term`, with the term added into the ulps tensor by one fused in-place op
-    (``add_term(b)`` returns b; the operands broadcast to the result's shape, so b can take them).
-    These are the optimizer's ops: every parameter, every step."""
-    r = c.out()
-    return c.budget("elementwise", lambda: [add_term(_ulp_bound(c, r, ULPS[family]))])
-
-
-def _absf(t: Any) -> Any:
-    """|t| as a real float tensor or number (integer operands of float ops too)."""
-    if not isinstance(t, torch.Tensor):
-        return abs(t)
-    return t.abs() if t.is_floating_point() or t.is_complex() else t.abs().to(torch.float64)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -712,14 +709,14 @@ def add_budget(c: BudgetCall) -> Budget:
     if isinstance(other, torch.Tensor) and alpha == 1:
         return c.ulps("elementwise", ULPS["arith"])
     k = 2 * c.u * abs(alpha)
-    return _with_fused_term(c, "arith", lambda b: b.add_(_absf(other), alpha=k))
+    return _with_operand_term(c, "arith", lambda b: b.add_(_abs(other), alpha=k))
 
 
 @register_budget(*overloads("rsub"))
 def rsub_budget(c: BudgetCall) -> Budget:
     """other - alpha*self: as add, with the roles of the operands swapped."""
     self_, other, alpha = c.a["self"], c.a.get("other"), _scale(c.a.get("alpha"))
-    return _with_operand_term(c, "arith", lambda: 2 * c.u * (_abs(alpha) * _abs(self_) + _abs(other)))
+    return _with_operand_term(c, "arith", lambda b: _iadd(b, 2 * c.u * (_abs(alpha) * _abs(self_) + _abs(other))))
 
 
 @register_budget(*overloads("addcmul"))
@@ -729,8 +726,8 @@ def addcmul_budget(c: BudgetCall) -> Budget:
     t1, t2 = c.a["tensor1"], c.a["tensor2"]
     k = 3 * c.u * abs(_scale(c.a["value"]))
     if _same(t1, t2) and not t1.is_complex():  # Adam's g * g: non-negative, no |.| temporaries
-        return _with_fused_term(c, "arith", lambda b: b.addcmul_(t1, t1, value=k))
-    return _with_fused_term(c, "arith", lambda b: b.addcmul_(_absf(t1), _absf(t2), value=k))
+        return _with_operand_term(c, "arith", lambda b: b.addcmul_(t1, t1, value=k))
+    return _with_operand_term(c, "arith", lambda b: b.addcmul_(_abs(t1), _abs(t2), value=k))
 
 
 @register_budget(*overloads("addcdiv"))
@@ -739,7 +736,7 @@ def addcdiv_budget(c: BudgetCall) -> Budget:
     """self + value*t1/t2: the quotient is rounded (twice, value included) before the add."""
     a = c.a
     k = 3 * c.u * abs(_scale(a["value"]))
-    return _with_fused_term(c, "arith", lambda b: b.add_(_abs_fresh(a["tensor1"] / a["tensor2"]), alpha=k))
+    return _with_operand_term(c, "arith", lambda b: b.add_(_abs_fresh(a["tensor1"] / a["tensor2"]), alpha=k))
 
 
 @register_budget(*overloads("lerp"))
@@ -748,9 +745,10 @@ def lerp_budget(c: BudgetCall) -> Budget:
     a = c.a
     w = a["weight"]
     if isinstance(w, torch.Tensor):
-        return _with_operand_term(c, "arith", lambda: 3 * c.u * (w.abs() + (1 - w).abs()) * (a["end"] - a["self"]).abs())
+        return _with_operand_term(
+            c, "arith", lambda b: _iadd(b, 3 * c.u * (w.abs() + (1 - w).abs()) * (a["end"] - a["self"]).abs()))
     k = 3 * c.u * (abs(w) + abs(1 - w))
-    return _with_fused_term(c, "arith", lambda b: b.add_(_abs_fresh(a["end"] - a["self"]), alpha=k))
+    return _with_operand_term(c, "arith", lambda b: b.add_(_abs_fresh(a["end"] - a["self"]), alpha=k))
 
 
 # --- foreach ops: each list element under the rule of the op the name says ---

@@ -25,7 +25,6 @@ from .schema import ArgKind, OpPlan, build_plan, flat_returns
 from .spot import SpotPolicy
 
 _INF = math.inf
-_ONE_ROUNDING = frozenset({"elementwise", "movement", "foreach", "empty", "default", "unbounded"})  # no sum to rank
 _no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
 
 
@@ -389,7 +388,7 @@ class Engine:
     def _spot_check(self, call: _Call, out: Any, refs: Any, budget: Budget | None):
         """mpmath check of sampled elements of the float64 reference the local error is measured against;
         untrusted elements of that reference are overwritten with their exact values. With the budget of a
-        sum (reductions, matmul, convolution, norms, losses, attention), bound / |reference| is the
+        sum (``Budget.of_sum``: reductions, matmul, convolution, norms, losses...), bound / |reference| is the
         condition estimate that picks the first samples (sum|x| / |sum x| for sums, ||a_i|| ||b_j|| / |c_ij|
         for matmuls: where the reference cancels). Elementwise ops are one float64 rounding of exact inputs:
         their reference cannot cancel below float64's own rounding, and their samples stay random."""
@@ -398,7 +397,7 @@ class Engine:
         ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
         dtype = next((t.dtype for t in dev if t is not None and shadow_dtype_of(t.dtype)), call.inputs[0].dtype)
         priority = None
-        if budget is not None and budget.ulps is None and budget.kind not in _ONE_ROUNDING:
+        if budget is not None and budget.of_sum:
             priority = [_condition(b, r) for b, r in zip(budget.bound, ref)]
         stats = self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, dtype, priority)
         if stats is not None and not stats.trusted:

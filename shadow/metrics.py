@@ -71,13 +71,16 @@ _EXP_BITS = 0x7FF0000000000000  # the exponent field of a float64
 
 
 def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0) -> torch.Tensor:
-    """``times`` spacings of ``dtype`` at each |r| (r a real float64 tensor; its sign is never read):
+    """``times`` spacings of ``dtype`` at each |r| (r a float64 tensor, or complex128: its modulus; the sign
+    of a real r is never read):
     2**(e - p) for |r| in [2**e, 2**(e+1)), the subnormal spacing below the smallest normal. One new
     tensor, written in place (a fresh large tensor costs more in page faults than the arithmetic).
 
     >>> spacing(torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64), torch.float32).tolist() == [2.0**-23, 2.0**-22, 2.0**-149]
     True
     """
+    if r.is_complex():
+        r = r.abs()
     return _pow2_floor(r, torch).clamp_min_(torch.finfo(dtype).tiny).mul_(times * 2.0 ** -precision_bits(dtype))
 
 
