@@ -19,17 +19,9 @@ from shadow import ShadowMode
 from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, impl_unsupported, loss_fn, make_batches, \
     make_optimizer, train_steps
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEPS = 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread for these tiny models (restored after): they gain nothing from more, and on a shared
-    2-core machine OpenMP's waiting threads made each op up to 30x slower (4.6 min for these files vs 45 s)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

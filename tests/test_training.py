@@ -30,20 +30,12 @@ from shadow import ShadowMode
 from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, impl_unsupported, loss_fn, make_batches, \
     make_optimizer, to_dtype, train_steps
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 aten = torch.ops.aten
 STEPS = 3
 TOL = 1e-12
 CLIP = 0.2  # max_norm below every model's gradient norm (0.41-9.5 here), so clip_grad_norm_ really scales
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread for these tiny models (restored after): they gain nothing from more, and on a shared
-    2-core machine OpenMP's waiting threads made each op up to 30x slower (4.6 min for these files vs 45 s)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # Random ops the models' dropout reaches on CPU: at::dropout is `empty_like(x).bernoulli_(1 - p)` there
