@@ -137,7 +137,7 @@ class Budget:
 
     def __init__(self, kind: str, bound: Sequence[torch.Tensor | None] | Callable[[], Sequence] | None, *,
                  outputs: Sequence[Any], dtype: torch.dtype, is_default: bool = False,
-                 ulps: float | None = None, scale_sq: float | Callable[[], float] | None = None):
+                 ulps: float | None = None, scale_sq: Any = None):  # float, (scale, acc), or a callable of either
         self.kind = kind
         self.is_default = is_default
         self.ulps = ulps
@@ -795,7 +795,8 @@ def foreach_budget(c: BudgetCall) -> Budget:
     ulps = {b.ulps for b in subs}
     return Budget(kinds.pop() if len(kinds) == 1 else "foreach", lambda: [b.bound[0] for b in subs],
                   outputs=c.outputs, dtype=c.dtype, is_default=any(b.is_default for b in subs),
-                  ulps=ulps.pop() if len(ulps) == 1 else None, scale_sq=lambda: tuple(map(sum, zip(*(b._scales() for b in subs)))))
+                  ulps=ulps.pop() if len(ulps) == 1 else None,
+                  scale_sq=lambda: tuple(map(sum, zip(*(b._scales() for b in subs)))))
 
 
 # --- reductions: Higham's worst case for any summation order (recursive, pairwise, blocked, with or

@@ -188,8 +188,7 @@ class Engine:
                     written.add(t.untyped_storage().data_ptr())
         if not written:
             return a, kw
-        outs = {spec.index for spec in plan.writes} - {spec.index for spec in plan.overwrites}
-        skip = outs if spot or reads_overwritten(plan.func) else {spec.index for spec in plan.writes}
+        skip = plan.out_args if spot or reads_overwritten(plan.func) else plan.write_args
 
         def copy(t: Any) -> Any:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in written:

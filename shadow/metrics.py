@@ -76,7 +76,8 @@ def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0) -> torch.Te
     2**(e - p) for |r| in [2**e, 2**(e+1)), the subnormal spacing below the smallest normal. One new
     tensor, written in place (a fresh large tensor costs more in page faults than the arithmetic).
 
-    >>> spacing(torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64), torch.float32).tolist() == [2.0**-23, 2.0**-22, 2.0**-149]
+    >>> s = spacing(torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64), torch.float32)
+    >>> s.tolist() == [2.0**-23, 2.0**-22, 2.0**-149]
     True
     """
     if r.is_complex():

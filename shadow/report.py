@@ -256,8 +256,8 @@ class Report:
         if top is not None:
             rows = rows[:top]
         name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
-        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}  {'drift rel':>10}  {'flips':>6}"
-                f"  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
+        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}  {'drift rel':>10}"
+                f"  {'flips':>6}  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
         lines = [head, "-" * len(head)]
         for key, a in rows:
             lines.append(

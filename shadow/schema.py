@@ -76,7 +76,8 @@ class OpPlan:
     returns: tuple[ReturnSpec, ...]
     tags: frozenset
     writes: tuple[ArgSpec, ...]  # declared and undeclared written tensor arguments
-    overwrites: tuple[ArgSpec, ...]  # the written ones the op also reads (not out=): in-place self, running stats
+    write_args: frozenset[int]  # the indices of every written argument
+    out_args: frozenset[int]  # ... of the out= buffers among them (written, never read)
     declared_writes: frozenset[int]  # the ones that bump the version counter
     is_view: bool  # only returns aliases of its inputs and writes nothing: no value to replay
 
@@ -117,7 +118,8 @@ def build_plan(func: torch._ops.OpOverload) -> OpPlan:
         returns=returns,
         tags=frozenset(func.tags),
         writes=writes,
-        overwrites=tuple(a for a in writes if not schema.arguments[a.index].is_out),
+        write_args=frozenset(a.index for a in writes),
+        out_args=frozenset(a.index for a in writes if schema.arguments[a.index].is_out),
         declared_writes=frozenset(a.index for a in writes if a.index not in undeclared),
         is_view=any(r.is_tensor for r in returns) and all(r.aliases_read for r in returns if r.is_tensor)
         and not writes,
