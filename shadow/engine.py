@@ -21,7 +21,7 @@ from .mirror import Mirror, shadow_dtype_of
 from .options import Options
 from .replay import Kind, Replay, Unsupported, rule_chain, run_chain, view_rule
 from .report import BudgetInfo, Event, Record, Report, merged
-from .schema import ArgKind, OpPlan, build_plan, flat_returns
+from .plan import ArgKind, OpPlan, flat_returns, plan_of
 from .spot import SpotPolicy
 
 _INF = math.inf
@@ -105,7 +105,7 @@ class Engine:
 
     def _plan(self, func) -> tuple[OpPlan, tuple] | None:
         try:
-            plan = build_plan(func)
+            plan = plan_of(func)
             if not plan.tensor_args and not any(r.is_tensor for r in plan.returns):
                 return None
             return plan, rule_chain(plan)

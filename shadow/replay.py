@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .schema import OpPlan
+from .plan import OpPlan
 
 aten = torch.ops.aten
 

@@ -35,7 +35,7 @@ from shadow.budgets import (
 )
 from shadow.mirror import shadow_dtype_of
 from shadow.replay import Kind, Replay, rule_chain, run_chain
-from shadow.schema import build_plan, flat_returns
+from shadow.plan import flat_returns, plan_of
 
 aten = torch.ops.aten
 U32, UBF, U16 = 2.0**-24, 2.0**-8, 2.0**-11
@@ -283,7 +283,7 @@ class BudgetProbe(TorchDispatchMode):
         if func.namespace != "aten":
             return func(*args, **kwargs)
         try:
-            plan = build_plan(func)
+            plan = plan_of(func)
             if plan.is_view or torch.Tag.inplace_view in plan.tags:
                 return func(*args, **kwargs)
             bargs, bkw = tree_map(_up, args), tree_map(_up, kwargs)  # before the op: in-place ops write

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 
 from shadow.kernels import sdpa_backward_rule, sdpa_forward_rule
 from shadow.replay import Kind, Replay
-from shadow.schema import build_plan
+from shadow.plan import plan_of
 
 aten = torch.ops.aten
 f64 = torch.float64
 
 
 def _replay(op, args, kwargs, device_out):
-    return Replay(build_plan(op), list(args), dict(kwargs), device_out)
+    return Replay(plan_of(op), list(args), dict(kwargs), device_out)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,10 +1,20 @@
-"""Per-op plans read once from the aten schema, so the per-op path walks arguments without pytree."""
+"""The op plan: the one normalized view of an op's calls, read once from its aten schema.
+
+Every rule (replay, budget, reference, emulation) and the engine read arguments through it: by schema
+name with defaults (``arg``, ``bind``), rewritten (``replace``), or walked tensor by tensor (``tensors``,
+``map_tensors``), so no caller flattens with pytree or indexes a schema of its own.
+
+>>> plan = plan_of(torch.ops.aten.add.Tensor)
+>>> plan.bind((torch.ones(1), torch.ones(1)), {})["alpha"], plan.base
+(1, 'add')
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+import functools
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -67,10 +77,13 @@ _TENSOR_TYPES = {
 _REMAP_TYPES = {"int", "Optional[int]", "Device", "Optional[Device]"}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class OpPlan:
     func: torch._ops.OpOverload
     name: str  # "aten.addmm.default"
+    op_name: str  # the schema name without namespace and overload: "add_" for aten.add_.Tensor
+    base: str  # ... without an in-place op's trailing underscore: "add"
+    positions: dict[str, int]  # argument name -> position in the schema
     tensor_args: tuple[ArgSpec, ...]
     remap_args: tuple[ArgSpec, ...]
     returns: tuple[ReturnSpec, ...]
@@ -81,8 +94,71 @@ class OpPlan:
     declared_writes: frozenset[int]  # the ones that bump the version counter
     is_view: bool  # only returns aliases of its inputs and writes nothing: no value to replay
 
+    # --- reading and rewriting arguments by schema name ---
+    def has(self, name: str) -> bool:
+        return name in self.positions
 
-def build_plan(func: torch._ops.OpOverload) -> OpPlan:
+    def arg(self, args: tuple | list, kwargs: dict, name: str, default: Any = None) -> Any:
+        """The argument ``name`` as passed, else its schema default, else ``default``."""
+        i = self.positions.get(name)
+        if i is None:
+            return default
+        a = self.func._schema.arguments[i]
+        if not a.kwarg_only and i < len(args):
+            return args[i]
+        if name in kwargs:
+            return kwargs[name]
+        return a.default_value if a.has_default_value() else default
+
+    def bind(self, args: tuple | list, kwargs: dict) -> dict[str, Any]:
+        """Every argument by name: as passed, else its schema default, else None."""
+        return {a.name: self.arg(args, kwargs, a.name) for a in self.func._schema.arguments}
+
+    def replace(self, args: tuple | list, kwargs: dict, **new: Any) -> tuple[list, dict]:
+        """Copies of (args, kwargs) with the named arguments replaced (added as keywords if not passed)."""
+        args, kwargs = list(args), dict(kwargs)
+        for name, v in new.items():
+            i = self.positions[name]
+            if not self.func._schema.arguments[i].kwarg_only and i < len(args):
+                args[i] = v
+            else:
+                kwargs[name] = v
+        return args, kwargs
+
+    # --- walking tensor arguments ---
+    def tensors(self, args: tuple | list, kwargs: dict, specs: tuple[ArgSpec, ...] | None = None
+                ) -> Iterator[tuple[ArgSpec, torch.Tensor]]:
+        """Every tensor passed in the tensor arguments (``specs``: these only), lists expanded, Nones skipped."""
+        for spec in self.tensor_args if specs is None else specs:
+            v = spec.get(args, kwargs)
+            if isinstance(v, torch.Tensor):
+                yield spec, v
+            elif isinstance(v, (list, tuple)):
+                for t in v:
+                    if isinstance(t, torch.Tensor):
+                        yield spec, t
+
+    def map_tensors(self, args: tuple | list, kwargs: dict, fn: Callable[[torch.Tensor, ArgSpec], Any],
+                    skip: frozenset[int] = frozenset()) -> tuple[list, dict]:
+        """Copies of (args, kwargs) with every passed tensor t of the tensor arguments replaced by
+        ``fn(t, spec)`` (lists element by element; None kept), except the arguments at ``skip``."""
+        args, kwargs = list(args), dict(kwargs)
+        for spec in self.tensor_args:
+            if spec.index in skip:
+                continue
+            v = spec.get(args, kwargs)
+            if v is None:
+                continue
+            if spec.kind is ArgKind.TENSOR:
+                spec.put(args, kwargs, fn(v, spec) if isinstance(v, torch.Tensor) else v)
+            else:
+                spec.put(args, kwargs, [fn(t, spec) if isinstance(t, torch.Tensor) else t for t in v])
+        return args, kwargs
+
+
+@functools.cache
+def plan_of(func: torch._ops.OpOverload) -> OpPlan:
+    """The plan of an op overload (built once)."""
     schema = func._schema
     undeclared = UNDECLARED_WRITES.get(func, ())
     tensor_args, remap_args = [], []
@@ -110,9 +186,13 @@ def build_plan(func: torch._ops.OpOverload) -> OpPlan:
     tensor_args = tuple(tensor_args)
     returns = tuple(returns)
     writes = tuple(a for a in tensor_args if a.write)
+    op_name = schema.name.split("::")[-1]
     return OpPlan(
         func=func,
-        name=f"{func.namespace}.{func._schema.name.split('::')[-1]}.{func._overloadname}",
+        name=f"{func.namespace}.{op_name}.{func._overloadname}",
+        op_name=op_name,
+        base=op_name[:-1] if op_name.endswith("_") and not op_name.endswith("__") else op_name,
+        positions={a.name: i for i, a in enumerate(schema.arguments)},
         tensor_args=tensor_args,
         remap_args=tuple(remap_args),
         returns=returns,

@@ -1,0 +1,87 @@
+"""Facts about aten ops that several rule families share, each stated once: which arguments of a
+matmul-like op are its factors, and which ops only move, select or partly overwrite values.
+
+Op sets hold base names (``plan.base``: "add" for ``aten.add_.Tensor``), so an op's in-place and out=
+overloads belong to the set of its name; the families build what they treat alike by set algebra.
+
+>>> MATMULS["addmm"]
+Matmul(a='mat1', b='mat2', bias='self')
+>>> "cat" in DATA_MOVEMENT, "relu" in SELECTION, "index_add" in PARTIAL_WRITES
+(True, True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """The argument names of a matmul-like op: ``out = beta * bias + alpha * (a @ b)`` (no bias: a @ b)."""
+
+    a: str
+    b: str
+    bias: str | None = None
+
+
+# by base name: in-place twins (addmm_) share their op's roles
+MATMULS: dict[str, Matmul] = {
+    "mm": Matmul("self", "mat2"),
+    "bmm": Matmul("self", "mat2"),
+    "matmul": Matmul("self", "other"),
+    "mv": Matmul("self", "vec"),
+    "dot": Matmul("self", "tensor"),
+    "vdot": Matmul("self", "other"),
+    "addmm": Matmul("mat1", "mat2", "self"),
+    "_addmm_activation": Matmul("mat1", "mat2", "self"),
+    "baddbmm": Matmul("batch1", "batch2", "self"),
+    "addbmm": Matmul("batch1", "batch2", "self"),
+    "addmv": Matmul("mat", "vec", "self"),
+    "linear": Matmul("input", "weight", "bias"),  # input @ weight.T + bias
+}
+# convolutions: input (x) weight, by base name
+CONVOLUTIONS: dict[str, Matmul] = {
+    "convolution": Matmul("input", "weight", "bias"),
+    "_convolution": Matmul("input", "weight", "bias"),
+    "convolution_overrideable": Matmul("input", "weight", "bias"),
+}
+
+# Pure data movement: every value of the result is a value of an input (or a fill constant), placed
+# elsewhere; no arithmetic. Bit-exact on every device.
+DATA_MOVEMENT = frozenset({
+    "copy", "_copy_from", "_copy_from_and_resize", "_to_copy", "clone", "lift_fresh", "lift_fresh_copy",
+    "detach", "cat", "stack", "index", "index_select", "gather", "take", "take_along_dim", "masked_select",
+    "nonzero", "index_copy", "index_fill", "masked_fill", "masked_scatter", "slice_scatter", "select_scatter",
+    "diagonal_scatter", "as_strided_scatter", "where", "fill", "zero", "zeros", "zeros_like", "ones",
+    "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "empty", "empty_like", "empty_strided",
+    "new_empty", "new_empty_strided", "scalar_tensor", "flip", "roll", "rot90", "repeat", "repeat_interleave",
+    "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
+    "replication_pad2d", "replication_pad3d", "tril", "triu", "_local_scalar_dense", "resize", "resize_as",
+    "set", "_foreach_copy", "narrow_copy", "_unsafe_index", "embedding", "select_backward", "slice_backward",
+    "diagonal_backward", "diag_embed", "diag", "im2col", "channel_shuffle", "pixel_shuffle", "pixel_unshuffle",
+    "native_channel_shuffle", "_unsafe_masked_index", "_unsafe_view", "_reshape_alias", "_to_dense", "to_dense",
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+})
+# Copies of views (``torch.Tag.view_copy`` marks them too)
+VIEW_COPIES = frozenset({
+    "detach_copy", "alias_copy", "expand_copy", "permute_copy", "view_copy", "unfold_copy", "t_copy",
+    "transpose_copy", "squeeze_copy", "unsqueeze_copy", "diagonal_copy", "select_copy", "slice_copy",
+    "split_copy", "split_with_sizes_copy", "unbind_copy", "as_strided_copy", "_reshape_copy",
+})
+# Exact selections: each result element is an input value, chosen by comparison, or an exact function of
+# one (sign, magnitude, integer part); the only rounding is of a Python scalar or a cast to the result.
+SELECTION = frozenset({
+    "relu", "threshold", "threshold_backward", "hardtanh", "hardtanh_backward", "hardshrink", "clamp",
+    "clamp_min", "clamp_max", "clip", "maximum", "minimum", "fmax", "fmin", "max", "min", "amax", "amin",
+    "aminmax", "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin",
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "fractional_max_pool2d", "fractional_max_pool3d", "max_unpool2d", "max_unpool3d", "abs", "neg", "sign",
+    "floor", "ceil", "trunc", "frac", "positive", "conj_physical", "copysign", "heaviside", "nan_to_num",
+    "complex",
+})
+# Ops that write only part of their destination (and may accumulate into it)
+PARTIAL_WRITES = frozenset({
+    "index_add", "index_reduce", "scatter", "scatter_add", "scatter_reduce", "index_put", "_index_put_impl",
+    "_unsafe_index_put", "put", "fill_diagonal",
+})
