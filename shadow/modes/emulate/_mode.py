@@ -1,0 +1,102 @@
+"""The emulation mode and the registry of emulated devices: each device registers its mode class, rule
+table and options by name with ``@register``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from ...errors import EmulationOrderError, ShadowOptionError
+from ...plan import OpPlan, plan_of
+from ...rules import RuleTable, run_chain
+
+_no_dispatch = torch._C._DisableTorchDispatch  # an emulation's own work must reach no mode and no kernel twice
+
+# A rule computes a claimed op as the device would (in-place and out= variants write their destination),
+# or returns NotImplemented to fall through; it runs with dispatch disabled.
+Rule = Callable[[OpPlan, tuple, dict, Any], Any]  # (plan, args, kwargs, the mode's options)
+E = TypeVar("E", bound="Emulation")
+
+EMULATIONS: dict[str, type[Emulation]] = {}  # name -> the device's mode class, filled by @register
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a device that takes none."""
+
+
+def register(kind: str, table: RuleTable[Rule], options: type = NoOptions) -> Callable[[type[E]], type[E]]:
+    """Class decorator: the Emulation subclass is the device ``kind``, computing the ops ``table`` claims.
+    ``options`` is a frozen dataclass: its fields are the device's options, its ``__post_init__`` checks
+    their values."""
+
+    def deco(mode: type[E]) -> type[E]:
+        if kind in EMULATIONS:
+            raise ValueError(f"an emulation called {kind!r} is already registered ({EMULATIONS[kind].__name__})")
+        mode.kind, mode.table, mode.Options = kind, table, options
+        EMULATIONS[kind] = mode
+        return mode
+
+    return deco
+
+
+class Emulation(TorchDispatchMode):
+    """A dispatch mode that computes the ops its device's table claims with that device's numerics and
+    passes every other op through. Enter it OUTSIDE ShadowMode (see ``shadow.modes.emulate``).
+
+    >>> with Emulation("tf32", rounding="rz"), ShadowMode() as sm:   # doctest: +SKIP
+    ...     y = a @ b
+    """
+
+    kind: ClassVar[str]  # set on each device's class by @register
+    table: ClassVar[RuleTable[Rule]]
+    Options: ClassVar[type]
+
+    def __init__(self, kind: str, **options: Any):
+        super().__init__()
+        device = EMULATIONS.get(kind)
+        if device is None:
+            raise ShadowOptionError(f"Emulation({kind!r}): expected one of {sorted(EMULATIONS)}")
+        fields = [f.name for f in dataclasses.fields(device.Options)]
+        unknown = set(options) - set(fields)
+        if unknown:
+            raise TypeError(f"emulation {kind!r} takes options {fields or 'none'}, got {sorted(unknown)}")
+        self.kind = kind
+        self.table = device.table
+        self.options = device.Options(**options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind!r}, {self.options})"
+
+    def __enter__(self):
+        from ..shadow import _ShadowDispatch
+
+        if any(isinstance(m, _ShadowDispatch) for m in _get_current_dispatch_mode_stack()):
+            built = f"emulate({self.kind!r})" if type(self) is Emulation else f"{type(self).__name__}()"
+            raise EmulationOrderError(built)
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        chain = self.table.chain(func)
+        if chain:
+            with _no_dispatch():
+                out = run_chain(chain, plan_of(func), args, kwargs, self.options)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+
+def emulate(name: str, **options: Any) -> Emulation:
+    """The emulation mode called ``name`` (a key of ``EMULATIONS``: "tf32", "bf16", "fp16_accum", "ftz"),
+    with its options.
+
+    >>> with emulate("tf32", rounding="rne"), ShadowMode() as sm:   # doctest: +SKIP
+    ...     y = a @ b
+    """
+    if name not in EMULATIONS:
+        raise ShadowOptionError(f"emulate({name!r}): expected one of {sorted(EMULATIONS)}")
+    return EMULATIONS[name](**options)
