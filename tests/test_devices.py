@@ -1,4 +1,4 @@
-"""Device discovery (shadow/devices.py), ``shadow doctor``, CPU-fallback detection and numerics settings.
+"""Device discovery (shadow/devices/), ``shadow doctor``, CPU-fallback detection and numerics settings.
 
 Discovery is checked against what this machine really has: the expected reason for each unavailable backend
 is computed here independently (torch.backends.cuda.is_built(), the error torch.cuda.init() gives, whether
@@ -22,6 +22,7 @@ import torch
 
 from shadow import devices
 from shadow.cli import main
+from shadow.devices import discovery, dispatch
 from shadow.devices import BACKENDS, Backend, KernelSource, cpu_fallback, discover, kernel_source, numerics_settings
 
 aten = torch.ops.aten
@@ -166,8 +167,8 @@ def directml_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
 
     def install(child: dict, module: types.ModuleType | None = None):
-        monkeypatch.setattr(devices, "_directml_child", lambda: child)
-        monkeypatch.setattr(devices, "_import_module", lambda name: module)
+        monkeypatch.setattr(discovery, "_directml_child", lambda: child)
+        monkeypatch.setattr(discovery, "_import_module", lambda name: module)
 
     return install
 
@@ -214,12 +215,12 @@ def test_directml_available_is_chosen_after_cuda_mps_xpu(directml_installed):
 
 def test_directml_child_process_reports_its_stage():
     """The real child: in this environment it stops at the stage this test computes on its own."""
-    devices._directml_child.cache_clear()
-    found = devices._directml_child()
+    discovery._directml_child.cache_clear()
+    found = discovery._directml_child()
     if importlib.util.find_spec("torch_directml") is None:
         assert found["stage"] == "import" and "No module named 'torch_directml'" in found["error"]
     elif isinstance(_directml_import_error(), OSError):
-        assert found == {"stage": "load", "error": devices._describe(_directml_import_error())}
+        assert found == {"stage": "load", "error": discovery._describe(_directml_import_error())}
     else:
         assert found["stage"] in ("import", "loaded", "count", "found"), found
 
@@ -255,7 +256,7 @@ def test_a_probe_that_breaks_is_reported(monkeypatch):
     def boom():
         raise AttributeError("module 'torch.backends' has no attribute 'mps'")
 
-    monkeypatch.setitem(devices._PROBES, "mps", boom)
+    monkeypatch.setitem(discovery._PROBES, "mps", boom)
     mps = by_name(discover())["mps"]
     assert mps == Backend("mps", False, "probing it failed: AttributeError: module 'torch.backends' has no "
                                         "attribute 'mps'")
@@ -263,9 +264,9 @@ def test_a_probe_that_breaks_is_reported(monkeypatch):
 
 def test_registering_a_probe_twice_is_an_error():
     with pytest.raises(ValueError, match="a probe for backend 'cpu' is already registered"):
-        devices._probe("cpu")(lambda: None)
+        discovery._probe("cpu")(lambda: None)
     with pytest.raises(ValueError, match="backend 'tpu': expected one of cpu, cuda, mps, xpu, directml"):
-        devices._probe("tpu")(lambda: None)
+        discovery._probe("tpu")(lambda: None)
 
 
 # --- the CLI ---
@@ -398,11 +399,11 @@ def test_kernel_source_reads_the_dispatcher(ops):
 
 
 def test_out_variants_of_structured_aten_ops():
-    assert devices._out_variant(aten.add.Tensor) is aten.add.out
-    assert devices._out_variant(aten.add_.Tensor) is aten.add.out
-    assert devices._out_variant(aten.add.Scalar) is aten.add.Scalar_out  # Scalar `other`: not add.out
-    assert devices._out_variant(aten.sum.dim_IntList) is aten.sum.IntList_out
-    assert devices._out_variant(aten.zeros_like.default) is None
+    assert dispatch._out_variant(aten.add.Tensor) is aten.add.out
+    assert dispatch._out_variant(aten.add_.Tensor) is aten.add.out
+    assert dispatch._out_variant(aten.add.Scalar) is aten.add.Scalar_out  # Scalar `other`: not add.out
+    assert dispatch._out_variant(aten.sum.dim_IntList) is aten.sum.IntList_out
+    assert dispatch._out_variant(aten.zeros_like.default) is None
 
 
 def test_cpu_fallback_on_real_aten_registrations():
@@ -418,9 +419,9 @@ def test_cpu_fallback_on_real_aten_registrations():
 
 
 def test_kernel_source_is_cached_per_op_and_device_type():
-    devices._kernel_source.cache_clear()
+    dispatch._kernel_source.cache_clear()
     for _ in range(3):
         kernel_source(aten.mul.Tensor, torch.device("privateuseone", 0))
         kernel_source(aten.mul.Tensor, "privateuseone:1")
-    info = devices._kernel_source.cache_info()
+    info = dispatch._kernel_source.cache_info()
     assert info.hits == 5 and info.misses == 2  # mul.Tensor, then the mul.out it resolves through

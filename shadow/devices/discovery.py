@@ -1,4 +1,4 @@
-"""Which devices torch can use on this machine, why the others cannot be used, and what runs where.
+"""Which devices torch can use on this machine, and why the others cannot be used.
 
 ``discover()`` probes each backend (cpu, cuda, mps, xpu, directml) and returns one ``Backend`` record
 each: available or not, the reason in plain words, the torch device, its name and whether it computes
@@ -10,18 +10,11 @@ use; ``python -m shadow doctor`` renders all of it.
 ['cpu']
 >>> best_device()
 device(type='cpu')
-
-``cpu_fallback(func, device)`` tells whether an op on a device runs through the backend's CPU fallback
-(torch-directml 0.2.5 registers kernels for ~300 aten ops; 489 other overloads run that way, so their
-"device" numerics are the CPU's), and
-``numerics_settings()`` the process-wide switches (TF32, reduced-precision reductions, deterministic
-algorithms) that change a device's arithmetic: both belong in a report.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import importlib
 import importlib.metadata
@@ -35,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat
+from .. import _compat
 
 BACKENDS = ("cpu", "cuda", "mps", "xpu", "directml")  # probed and listed in this order
 PREFERENCE = ("cuda", "mps", "xpu", "directml", "cpu")  # demo and run take the first available
@@ -312,167 +305,3 @@ def _pin_matches(pin: str) -> bool:
     if not pin.startswith("=="):
         return True  # a range: not worth a parser here; the import's own error says more
     return torch.__version__.split("+")[0] == pin[2:]
-
-
-# --- which kernel runs an op on a device ---
-class KernelSource(str, enum.Enum):
-    """Where an op's kernel comes from on a device, read from the dispatcher's registrations."""
-
-    DEVICE = "device"  # a kernel registered for the device's dispatch key (structured ops: for their out= form)
-    COMPOSITE = "composite"  # a composite kernel: the ops it calls (not seen by a dispatch mode) decide
-    FALLBACK = "fallback"  # no kernel of the device's own: the backend's fallback runs it (on the CPU)
-
-
-def kernel_source(func: torch._ops.OpOverload, device: torch.device | str) -> KernelSource:
-    """How ``func`` runs on ``device``'s type; cached per op and device type.
-
-    Read the way the dispatcher fills its table for the device's key: a kernel registered for the key
-    itself, else a CompositeExplicitAutogradNonFunctional kernel (what structured ops such as
-    ``add.Tensor`` get: it allocates and calls ``add.out``, so the answer is the out= form's), else a
-    CompositeExplicitAutograd or CompositeImplicitAutograd kernel (composite: it runs other ops),
-    else the backend's fallback (DirectML and MPS: on the CPU). A few composites known to end in one op
-    the backend may register are followed (``convolution`` -> ``convolution_overrideable`` on PrivateUse1).
-    The CPU and meta devices are their own.
-    The cache assumes registrations are complete, as they are once a tensor exists on the device.
-
-    >>> kernel_source(torch.ops.aten.linear.default, "privateuseone")
-    <KernelSource.COMPOSITE: 'composite'>
-    """
-    device_type = torch.device(device).type
-    if device_type in ("cpu", "meta"):
-        return KernelSource.DEVICE
-    return _kernel_source(func, _compat.dispatch_key_for_device(device_type))
-
-
-# Composite ops whose kernel, on a backend without one of its own, ends in a single op that the backend may
-# register (at::_convolution picks the "overrideable" convolution for PrivateUse1 devices): follow it.
-_aten = torch.ops.aten
-_COMPOSITE_ROUTES = {
-    ("PrivateUse1", _aten.convolution.default): _aten.convolution_overrideable.default,
-    ("PrivateUse1", _aten.convolution_backward.default): _aten.convolution_backward_overrideable.default,
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_source(func: torch._ops.OpOverload, key: str) -> KernelSource:
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    name = func.name()
-    try:
-        if has(name, key):
-            return KernelSource.DEVICE
-    except RuntimeError:  # a TorchScript-only overload (aten::__and__.bool): the dispatcher never runs it
-        return KernelSource.DEVICE
-    if (key, func) in _COMPOSITE_ROUTES:
-        return _kernel_source(_COMPOSITE_ROUTES[key, func], key)
-    if has(name, "CompositeExplicitAutogradNonFunctional"):
-        out = _out_variant(func)
-        return _kernel_source(out, key) if out is not None else KernelSource.COMPOSITE
-    if has(name, "CompositeExplicitAutograd") or has(name, "CompositeImplicitAutograd"):
-        return KernelSource.COMPOSITE
-    return KernelSource.FALLBACK
-
-
-def _out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """The out= overload that a structured op's default kernel calls: same inputs, plus written out tensors
-    (``add.Tensor`` and ``add_.Tensor`` -> ``add.out``)."""
-    ins = [(a.name, str(a.type)) for a in func._schema.arguments]
-    packet = getattr(torch.ops, func.namespace, None)
-    base = func._overloadpacket.__name__
-    base = base[:-1] if base.endswith("_") and not base.endswith("__") else base  # add_ -> add
-    packet = getattr(packet, base, None) if packet is not None else None
-    if packet is None:
-        return None
-    for overload in packet.overloads():
-        op = getattr(packet, overload)
-        if op is func or not op._schema.is_mutable:
-            continue
-        args = op._schema.arguments
-        is_out = [a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in args]
-        rest = [(a.name, str(a.type)) for a, o in zip(args, is_out) if not o]
-        if any(is_out) and rest == ins:
-            return op
-    return None
-
-
-def cpu_fallback(func: torch._ops.OpOverload, device: torch.device | str) -> bool:
-    """Whether ``func`` on ``device`` runs through the backend's CPU fallback rather than a device kernel
-    (so its "device" result is the CPU's arithmetic). Composite ops count as not falling back: the ops
-    they call are the ones that do or not.
-
-    >>> cpu_fallback(torch.ops.aten.mm.default, "cpu")
-    False
-    """
-    return kernel_source(func, device) is KernelSource.FALLBACK
-
-
-# --- process-wide numerics switches ---
-def _attr(path: str) -> Callable[[], Any]:
-    def get() -> Any:
-        obj: Any = torch
-        for part in path.split(".")[1:]:
-            obj = getattr(obj, part)
-        return obj
-
-    return get
-
-
-def _call(path: str) -> Callable[[], Any]:
-    return lambda: _attr(path)()()
-
-
-# name -> reader; a name whose API this torch lacks is left out. The fp32_precision API (torch >= 2.9)
-# sits beside the legacy flags; after the new API has been used, reading a legacy flag may raise.
-NUMERICS: dict[str, Callable[[], Any]] = {
-    **{f"{p}()": _call(p) for p in (
-        "torch.get_float32_matmul_precision",
-        "torch.are_deterministic_algorithms_enabled",
-        "torch.is_deterministic_algorithms_warn_only_enabled",
-        "torch.backends.cuda.flash_sdp_enabled",
-        "torch.backends.cuda.mem_efficient_sdp_enabled",
-        "torch.backends.cuda.math_sdp_enabled",
-        "torch.backends.cuda.cudnn_sdp_enabled",
-        "torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed",
-    )},
-    **{p: _attr(p) for p in (
-        "torch.backends.cuda.matmul.allow_tf32",
-        "torch.backends.cudnn.allow_tf32",
-        "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
-        "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
-        "torch.backends.cuda.matmul.allow_fp16_accumulation",
-        "torch.backends.fp32_precision",
-        "torch.backends.cuda.matmul.fp32_precision",
-        "torch.backends.cudnn.fp32_precision",
-        "torch.backends.cudnn.conv.fp32_precision",
-        "torch.backends.cudnn.rnn.fp32_precision",
-        "torch.backends.mkldnn.fp32_precision",
-        "torch.backends.mkldnn.matmul.fp32_precision",
-        "torch.backends.mkldnn.conv.fp32_precision",
-        "torch.backends.mkldnn.rnn.fp32_precision",
-        "torch.backends.cudnn.enabled",
-        "torch.backends.cudnn.deterministic",
-        "torch.backends.cudnn.benchmark",
-    )},
-}
-
-
-def numerics_settings() -> dict[str, Any]:
-    """The process-wide switches that change a device's arithmetic, as this torch reports them: TF32 for
-    matmuls and cuDNN (``torch.backends.cudnn.allow_tf32`` is True by default: convolutions run in TF32 on
-    Ampere and later unless turned off), reduced-precision reductions, the SDPA kernels allowed, and
-    deterministic algorithms. Never raises: a setting that cannot be read is given as "error: ...".
-
-    >>> numerics_settings()["torch.backends.cudnn.allow_tf32"]     # doctest: +SKIP
-    True
-    """
-    out: dict[str, Any] = {}
-    for name, read in NUMERICS.items():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                value = read()
-        except AttributeError:  # not in this torch
-            continue
-        except Exception as exc:  # e.g. a legacy TF32 flag read after the fp32_precision API was used
-            value = f"error: {_describe(exc)}"
-        out[name] = value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
-    return out
