@@ -1,4 +1,4 @@
-"""High-precision references (shadow/references.py): golden values, agreement with float64, exact paths."""
+"""High-precision references (shadow/references/): golden values, agreement with float64, exact paths."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from shadow.references import (
     to_float64,
     working_precision,
 )
+from shadow.references.exact import extract_parts, float64_array, fsum_parts
 
 aten = torch.ops.aten
 f64 = torch.float64
@@ -558,8 +559,8 @@ def test_dot_outside_the_safe_range_falls_back_to_mpmath():
 def test_float32_valued_float64_tensors_take_the_product_path():
     # the engine hands float64 shadows: values that fit float32 still have exact float64 products
     a = _rand_fp32(64, 4.0, torch.Generator().manual_seed(4))
-    assert R._float64_array(a.double())[1] is True
-    assert R._float64_array(a.double() + 2.0**-40)[1] is False
+    assert float64_array(a.double())[1] is True
+    assert float64_array(a.double() + 2.0**-40)[1] is False
     assert exact_dot(a.double(), a.double()).value == exact_dot(a, a, method="mpmath").value
 
 
@@ -585,17 +586,17 @@ def test_extraction_splits_exactly():
     # 1 + 2**-60 + 2**-120: one extraction pass keeps 1 (sigma = 2**3, eps * sigma = 2**-50), the
     # next ones the rest; parts add up exactly
     t = torch.tensor([1.0, 2.0**-60, 2.0**-120], dtype=f64).numpy()
-    assert R._extract_parts(t) == [1.0, 2.0**-60, 2.0**-120]
+    assert extract_parts(t) == [1.0, 2.0**-60, 2.0**-120]
     # terms whose sigma would be subnormal go to fsum: still exact
     tiny = torch.tensor([3e-310, 5e-324, -1e-320], dtype=f64).numpy()
-    assert mpmath.fsum(map(mpmath.mpf, R._extract_parts(tiny))) == mpmath.fsum(map(mpmath.mpf, tiny.tolist()))
+    assert mpmath.fsum(map(mpmath.mpf, extract_parts(tiny))) == mpmath.fsum(map(mpmath.mpf, tiny.tolist()))
 
 
 def test_fsum_parts_stop_early_only_when_exact():
     # 1 + 2**-60 needs two parts; the granularity argument must not stop after the first
-    parts = R._fsum_parts(torch.tensor([1.0, 2.0**-60], dtype=f64).numpy())
+    parts = fsum_parts(torch.tensor([1.0, 2.0**-60], dtype=f64).numpy())
     assert parts == [1.0, 2.0**-60]
-    assert R._fsum_parts(torch.tensor([3.0, -3.0], dtype=f64).numpy()) == []
+    assert fsum_parts(torch.tensor([3.0, -3.0], dtype=f64).numpy()) == []
 
 
 def test_fast_path_is_much_faster_than_mpmath():
@@ -839,17 +840,15 @@ def test_lookup_exact_then_family_then_none():
     assert reference_for("aten::exp") is None
 
 
-def test_exact_entries_win_over_families(monkeypatch):
+def test_exact_entries_win_over_families():
     def special(call, index):
         return Exact(mpmath.mpf(42), mpmath.mpf(42))
 
-    # merge into copies: the module's tables are left untouched
-    monkeypatch.setattr(R, "_EXACT", dict(R._EXACT))
-    monkeypatch.setattr(R, "_FAMILY", dict(R._FAMILY))
-    register_reference(aten.exp.out)(special)
-    assert reference_for(aten.exp.out).rule is special
-    assert reference_for(aten.exp.default).rule is not special
-    assert float(ref(aten.exp.out, T(0.0), index=(0,), out=T(0.0))) == 42.0
+    with R.REFERENCES.scoped():  # the registration is undone at the end of the block
+        register_reference(aten.exp.out)(special)
+        assert reference_for(aten.exp.out).rule is special
+        assert reference_for(aten.exp.default).rule is not special
+        assert float(ref(aten.exp.out, T(0.0), index=(0,), out=T(0.0))) == 42.0
 
 
 def test_duplicate_registration_is_an_error_naming_the_op():

@@ -1,0 +1,253 @@
+"""The reference table: one ``RuleTable`` of reference rules, each registered with the cost of checking
+one element, and the normalized input (``Call``) every rule reads.
+
+A rule computes ONE element of one output of an op at mpmath's current precision; ``Reference`` sets
+that precision and turns inputs a rule does not cover into ``NoReference``. ``estimate_cost_us`` reads
+the cost registered beside the rule, so adding a reference is one ``@register_reference``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Protocol
+
+import mpmath
+import torch
+
+from ..errors import NoReference
+from ..plan import OpPlan, plan_of
+from ..rules import RuleTable
+from .exact import DEFAULT_BITS, Exact, Uncovered, working_precision
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+NAN = mpmath.mpf("nan")
+INF = mpmath.mpf("inf")
+
+
+# --- the rule input ---
+@dataclasses.dataclass(slots=True)
+class Call:
+    """A rule's normalized input: the op, its arguments as given, and which output is asked for."""
+
+    func: OpOverload
+    args: tuple
+    kwargs: Mapping[str, Any]
+    output: int = 0
+
+    @property
+    def plan(self) -> OpPlan:
+        return plan_of(self.func)
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """The argument ``name`` as passed, else its schema default, else ``default``."""
+        return self.plan.arg(self.args, self.kwargs, name, default)
+
+    def has(self, name: str) -> bool:
+        return self.plan.has(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Argument ``name``, which must be a real tensor."""
+        t = self.arg(name)
+        if not isinstance(t, torch.Tensor):
+            raise self.fail(f"argument {name!r} is {type(t).__name__}, expected a tensor")
+        if t.is_complex():
+            raise self.fail(f"argument {name!r} is {t.dtype}: complex ops have no reference")
+        return t
+
+    def scalar(self, name: str, index: tuple[int, ...] = ()) -> float | int:
+        """Argument ``name`` at (broadcast) output ``index``, as an exact Python number."""
+        v = self.arg(name)
+        if isinstance(v, torch.Tensor):
+            if v.is_complex():
+                raise self.fail(f"argument {name!r} is {v.dtype}: complex ops have no reference")
+            v = v[bcast(v, index)].item()
+        if isinstance(v, bool):
+            return int(v)
+        if not isinstance(v, (int, float)):
+            raise self.fail(f"argument {name!r} is {type(v).__name__}, expected a real number or tensor")
+        return finite(v)
+
+    def fail(self, reason: str) -> NoReference:
+        return NoReference(str(self.func), reason)
+
+
+def finite(x: float) -> float | int:
+    """``x`` itself; ``Uncovered`` for IEEE special values (the metrics compare those apart)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        raise Uncovered("non-finite input: IEEE special values are compared apart")
+    return x
+
+
+def bcast(t: torch.Tensor, index: tuple[int, ...]) -> tuple[int, ...]:
+    """The element of ``t`` that broadcasting sends to output ``index``."""
+    k = t.dim()
+    if len(index) < k:
+        raise IndexError(f"output index {index} has fewer dims than an input of shape {tuple(t.shape)}")
+    tail = index[len(index) - k :] if k else ()
+    return tuple(0 if s == 1 else i for s, i in zip(t.shape, tail))
+
+
+class Rule(Protocol):
+    """Computes one element of output ``call.output`` at ``index``, at mpmath's current precision."""
+
+    def __call__(self, call: Call, index: tuple[int, ...]) -> Exact: ...
+
+
+# --- cost: what checking one element takes, from shapes only ---
+Terms = Callable[[Call, int], int]  # (call, elements of the output) -> terms one element reduces
+# measured on 2 cores with gmpy2 (docs/references.md, "Cost"): a call's fixed part, then per term
+BASE_US = 100.0
+US_PER_TERM = {"exact": 0.04, "mpmath": 10.0}  # a term summed exactly; a transcendental per term in mpmath
+
+
+def ratio_terms(call: Call, out_numel: int) -> int:
+    """Reductions (and elementwise ops, at 1): the largest input over the output."""
+    largest = max((t.numel() for _, t in call.plan.tensors(call.args, call.kwargs)), default=1)
+    return max(1, largest // max(1, out_numel))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cost:
+    """The cost of one element: ``terms(call, out_numel)`` terms at ``US_PER_TERM[per_term]`` each, plus
+    ``BASE_US``; ``per_term`` is "exact", "mpmath", or a function of the call that names one."""
+
+    terms: Terms = ratio_terms
+    per_term: str | Callable[[Call], str] = "exact"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.per_term, str) and self.per_term not in US_PER_TERM:
+            raise ValueError(f"per_term must be one of {', '.join(map(repr, US_PER_TERM))} or a function of the "
+                             f"call, got {self.per_term!r}")
+
+    def estimate_us(self, call: Call, out_numel: int) -> tuple[float, int]:
+        """(microseconds to check one element, terms it reduces)."""
+        terms = self.terms(call, out_numel)
+        kind = self.per_term if isinstance(self.per_term, str) else self.per_term(call)
+        return BASE_US + US_PER_TERM[kind] * terms, terms
+
+
+# --- the table ---
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Entry:
+    fn: Rule  # named fn: shadow.rules.rule_name reads it to name the entry in duplicate errors
+    outputs: int
+    cost: Cost
+
+
+def _returns_tensors(func: OpOverload) -> bool:
+    """Which overloads a family rule covers: those that return tensors (``aten.add.t`` adds lists)."""
+    return any(isinstance(r.type, torch.TensorType) for r in func._schema.returns)
+
+
+REFERENCES: RuleTable[Any] = RuleTable("reference", families=_returns_tensors)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reference:
+    """The reference of one op; calling it normalizes the arguments and sets the precision.
+
+    >>> ref = reference_for(torch.ops.aten.exp.default)
+    >>> float(ref((torch.tensor([1.0]),), {}, (0,)).value)
+    2.718281828459045
+    """
+
+    func: OpOverload
+    rule: Rule
+    outputs: int  # how many of the op's outputs the rule can compute (0..outputs-1)
+    cost: Cost
+
+    def __call__(
+        self,
+        args: Sequence,
+        kwargs: Mapping[str, Any] | None,
+        index: Sequence[int],
+        *,
+        output: int = 0,
+        bits: int = DEFAULT_BITS,
+    ) -> Exact:
+        call = Call(self.func, tuple(args), dict(kwargs or {}), output)
+        if not 0 <= output < self.outputs:
+            raise call.fail(f"output {output}: the reference computes outputs 0..{self.outputs - 1}")
+        with working_precision(bits):
+            try:
+                return self.rule(call, tuple(int(i) for i in index))
+            except Uncovered as exc:
+                raise call.fail(str(exc)) from exc
+
+
+def register_reference(
+    *ops: OpOverload | OpOverloadPacket,
+    outputs: int = 1,
+    terms: Terms = ratio_terms,
+    per_term: str | Callable[[Call], str] = "exact",
+) -> Callable[[Rule], Rule]:
+    """Register a rule for exact overloads (``aten.mm.default``) or whole families (``aten.exp``), with
+    the cost of one element (``Cost(terms, per_term)``).
+
+    A family covers every overload of the packet that returns tensors and has no exact rule; rules
+    read arguments by schema name, so one rule serves ``exp.default``, ``exp.out`` alike. Registering
+    an op twice is a ``DuplicateRuleError`` (a ``ValueError``).
+    """
+    # checked here, not only in RuleTable.register: the message names this function and both key kinds
+    for op in ops:
+        if not isinstance(op, (OpOverload, OpOverloadPacket)):
+            raise TypeError(
+                f"register_reference expects aten OpOverloads or packets (aten.mm.default, aten.exp), got {op!r}"
+            )
+    cost = Cost(terms, per_term)
+
+    def deco(rule: Rule) -> Rule:
+        REFERENCES.register(*ops)(_Entry(rule, outputs, cost))
+        return rule
+
+    return deco
+
+
+def reference_for(func: Any) -> Reference | None:
+    """The op's reference: exact overload, then family, then None (not spot-checkable).
+
+    >>> aten = torch.ops.aten
+    >>> reference_for(aten.mm.default) is not None, reference_for(aten.index_add.default)
+    (True, None)
+    """
+    entry = REFERENCES.own(func)
+    return None if entry is None else Reference(func, entry.fn, entry.outputs, entry.cost)
+
+
+def reference(
+    func: OpOverload,
+    args: Sequence,
+    kwargs: Mapping[str, Any] | None,
+    index: Sequence[int],
+    *,
+    output: int = 0,
+    bits: int = DEFAULT_BITS,
+) -> Exact:
+    """One output element of ``func(*args, **kwargs)`` at high precision; ``NoReference`` if none.
+
+    >>> float(reference(torch.ops.aten.log1p.default, (torch.tensor(1e-20, dtype=torch.float64),), {}, ()).value)
+    1e-20
+    """
+    ref = reference_for(func)
+    if ref is None:
+        raise NoReference(str(func), "no reference rule for this op")
+    return ref(args, kwargs, index, output=output, bits=bits)
+
+
+_UNREGISTERED = Cost()  # an op without a reference: priced as a reduction of its largest input
+
+
+def estimate_cost_us(func: OpOverload, args: Sequence, kwargs: Mapping[str, Any] | None,
+                     out_numel: int) -> tuple[float, int]:
+    """(estimated microseconds to check one element, terms it reduces), from shapes only: the cost
+    registered with the op's reference.
+
+    >>> estimate_cost_us(torch.ops.aten.mm.default, (torch.ones(4, 1024), torch.ones(1024, 4)), {}, 16)[1]
+    1024
+    """
+    ref = reference_for(func)
+    cost = _UNREGISTERED if ref is None else ref.cost
+    return cost.estimate_us(Call(func, tuple(args), dict(kwargs or {})), out_numel)
