@@ -31,7 +31,7 @@ class PathResult:
     y: torch.Tensor  # the device (float32) result
     ops: list[tuple[str, float, float]]  # (op, local max ulp, local max abs) for each op that computed
     err_abs: float  # max |y - exact| of the result
-    err_ulp: float  # ... in float32 ulps of |exact| (DESIGN.md's ulp)
+    err_ulp: float  # ... in float32 ulps of |exact| (shadow.metrics' ulp)
     err_ulp_terms: float  # ... in float32 ulps of sum |terms| (the dot product's own scale)
     budget_used: float  # the worst op's local error as a fraction of its float32 error budget (> 1: over)
 

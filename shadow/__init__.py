@@ -8,9 +8,12 @@
 
 __version__ = "0.1.0"
 
+from .errors import ReportFormatError, ShadowOptionError
 from .metrics import ErrorStats
 from .modes import ShadowMode
-from .options import ShadowOptionError
-from .report import Report, ReportFormatError, load_report
+from .records import BudgetInfo, Kind, Phase, Record
+from .report import Aggregate, Coverage, Report, load_report
+from .spot import SpotStats
 
-__all__ = ["ShadowMode", "Report", "ErrorStats", "load_report", "ShadowOptionError", "ReportFormatError"]
+__all__ = ["ShadowMode", "Report", "Record", "Aggregate", "Coverage", "BudgetInfo", "ErrorStats", "SpotStats", "Kind",
+           "Phase", "load_report", "ShadowOptionError", "ReportFormatError"]

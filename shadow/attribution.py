@@ -13,6 +13,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from .records import Phase
+
 
 class _Tracker(ModuleTracker):
     """ModuleTracker, except that a module's backward exit is hooked on its non-leaf inputs only: torch's own
@@ -98,14 +100,14 @@ class Attribution:
                         names[t.untyped_storage()._cdata] = name
         return names
 
-    def where(self, tensors) -> tuple[str, str]:
+    def where(self, tensors) -> tuple[str, Phase]:
         """(module, phase) of the op being dispatched; ``tensors`` its tensor arguments (optimizer naming)."""
         if self._optimizer_depth:
             found = sorted(
                 {self._param_names[k] for k in (t.untyped_storage()._cdata for t in tensors) if k in self._param_names}
             )
-            return (_common_prefix(found) if len(found) > 1 else (found[0] if found else "")), "optimizer"
+            return (_common_prefix(found) if len(found) > 1 else (found[0] if found else "")), Phase.OPTIMIZER
         module = _innermost(self._tracker.parents)
         if torch._C._current_graph_task_id() != -1:
-            return module, "backward"
-        return module, ("forward" if module else "other")
+            return module, Phase.BACKWARD
+        return module, (Phase.FORWARD if module else Phase.OTHER)

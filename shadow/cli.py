@@ -1,4 +1,4 @@
-"""The ``shadow`` command line: ``python -m shadow demo``, ``python -m shadow doctor`` (``run`` comes later).
+"""The ``shadow`` command line: ``python -m shadow demo``, ``python -m shadow doctor``.
 
 The CLI is the one place that prints; library code returns objects and leaves rendering to its caller.
 Each subcommand is a function registered with ``@command``; ``main`` builds the parser from that table.

@@ -1,8 +1,12 @@
-"""The per-op engine behind ShadowMode: prepare shadow arguments, let the device run, replay, compare.
+"""The per-op engine behind ShadowMode: prepare shadow arguments, let the device run, replay, judge, commit.
 
-Ground rules (README): the device's computation is never changed (shadow only reads device tensors and
-works on its own copies with Python dispatch disabled, so no mode below sees it); no op it cannot replay
-and no error of its own ever reaches the user's program; every op is seen and recorded.
+One op call goes through four named steps: ``_prepare`` (before the device op: the shadow, local, pre-op
+and CPU argument sets, ``Prepared``), the replays (``shadow.replay``), ``_judge`` (the error figures of
+every ``Output``: comparisons, the budget, effective bits, the spot check: a ``Verdict``) and ``_commit``
+(the shadows kept in the mirror). Ground rules (README): the device's computation is never changed (shadow
+only reads device tensors and works on its own copies with Python dispatch disabled, so no mode below
+sees it); no op it cannot replay and no error of its own ever reaches the user's program; every op is
+seen and recorded.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import torch
 from .attribution import Attribution
 from .budgets import Budget, budget_for, reads_overwritten
 from .devices import cpu_fallback
+from .errors import Unsupported
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import Mirror, shadow_dtype_of
 from .options import Options
-from .replay import Kind, Replay, Unsupported, rule_chain, run_chain, view_rule
-from .report import BudgetInfo, Event, Record, Report, merged
-from .plan import ArgKind, OpPlan, flat_returns, plan_of
-from .spot import SpotPolicy
+from .plan import ArgSpec, OpPlan, flat_returns, plan_of
+from .records import BudgetInfo, Event, Kind, Record
+from .replay import REPLAY, Replay, view_rule
+from .report import Report, merged
+from .rules import run_chain
+from .spot import SpotPolicy, SpotStats
 
 _INF = math.inf
 _no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
@@ -32,25 +39,87 @@ class _NoValues(Exception):
     """The call runs on meta tensors: shapes only, no values to shadow."""
 
 
-class _Call:
-    """What ``prepare`` built before the device op ran."""
+@dataclasses.dataclass(slots=True)
+class Args:
+    """One set of an op's arguments (positional and keyword)."""
 
-    __slots__ = ("plan", "chain", "sargs", "skw", "largs", "lkw", "exact", "inputs", "storages", "pre", "spot",
-                 "cpu")
+    args: list
+    kwargs: dict
 
-    def __init__(self, plan: OpPlan, chain: tuple):
-        self.plan = plan
-        self.chain = chain
-        self.sargs: list = []
-        self.skw: dict = {}
-        self.largs: list | None = None  # the device's own inputs, upcast (None: not needed)
-        self.lkw: dict | None = None
-        self.exact = True  # every shadow input equals the device's: local error = drift
-        self.inputs: list[torch.Tensor] = []  # device tensors read (for optimizer naming)
-        self.storages: set[int] = set()  # shadow storages of the inputs (an output aliasing one is copied)
-        self.pre: tuple[list, dict] | None = None  # the reference's inputs before the op (budgets, spot checks)
-        self.spot = False  # this call is spot-checked
-        self.cpu: tuple[list, dict] | None = None  # compare_cpu: the device's inputs on the CPU, own dtypes
+    def get(self, spec: ArgSpec) -> Any:
+        return spec.get(self.args, self.kwargs)
+
+
+@dataclasses.dataclass(slots=True)
+class Prepared:
+    """What ``_prepare`` built before the device op ran."""
+
+    plan: OpPlan
+    chain: tuple
+    shadow: Args | None = None  # the shadow inputs: the replay that drift is measured against
+    local: Args | None = None  # the device's own inputs, upcast (None: every input is exact, the shadow serves)
+    pre: Args | None = None  # the local reference's inputs as before the op (budgets, spot checks)
+    cpu: Args | None = None  # compare_cpu: the device's inputs on the CPU, in their own dtypes
+    exact: bool = True  # every shadow input equals the device's: local error = drift
+    inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)  # device tensors read (naming)
+    storages: set[int] = dataclasses.field(default_factory=set)  # shadow storages of the inputs
+    spot: bool = False  # this call is spot-checked
+
+    @property
+    def reference(self) -> Args:
+        """The inputs the local error's reference is computed from."""
+        return self.local if self.local is not None else self.shadow
+
+
+@dataclasses.dataclass(slots=True)
+class Output:
+    """One compared result of an op call: a written argument (in-place, out=) or a fresh return."""
+
+    device: Any  # the device's tensor, or a Python number (.item(), equal)
+    shadow: Any  # the drift replay's value
+    local: Any  # the local replay's value (None: the shadow serves)
+    written: bool
+    slot: int | None  # position among the op's flattened outputs (budgets, spot checks); None for numbers
+
+    @property
+    def reference(self) -> Any:
+        """What the local error is measured against."""
+        return self.local if isinstance(self.local, torch.Tensor) else self.shadow
+
+
+@dataclasses.dataclass(slots=True)
+class Outputs:
+    items: list[Output]
+    slots: int  # how many output slots the op has (budgets get one entry each, None where absent)
+    item: tuple[Any, Any] | None  # an .item()-like (device, shadow) number pair
+    dtype: torch.dtype  # the device dtype errors are measured in (a cast is held to its target's rounding)
+
+
+@dataclasses.dataclass(slots=True)
+class Compared:
+    """One output's figures, and what the mirror keeps of it."""
+
+    drift: ErrorStats | None = None
+    local: ErrorStats | None = None
+    flips: int = 0
+    local_flips: int = 0
+    mismatch: int = 0  # 1: a shape the shadow did not reproduce (the device's value is adopted)
+    exact: bool = False  # the shadow equals the device's value: the mirror entry stays exact
+    keep: Any = None  # the shadow value to commit (None: nothing to commit)
+
+
+@dataclasses.dataclass(slots=True)
+class Verdict:
+    """The judged call: merged figures over every output."""
+
+    local: ErrorStats | None
+    drift: ErrorStats | None
+    flips: int
+    local_flips: int
+    mismatch: int
+    budget: BudgetInfo | None
+    spot: SpotStats | None
+    compared: list[Compared]
 
 
 class Engine:
@@ -59,17 +128,17 @@ class Engine:
         self.report = report
         self.attr = attribution
         self.mirror = Mirror(follow_reference=options.follow == "reference")
-        self.spot = SpotPolicy.from_option(options.spot_checks)
-        self._plans: dict[Any, tuple[OpPlan, tuple]] = {}
+        self.spot = SpotPolicy(options.spot_checks)
+        self._plans: dict[Any, tuple[OpPlan, tuple] | None] = {}
         self._index = 0
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        entry = self._plans.get(func)
-        if entry is None:
+        entry = self._plans.get(func, False)
+        if entry is False:
             entry = self._plans[func] = self._plan(func)
         if entry is None:  # no tensor in or out (profiler markers...), or a schema shadow cannot read
-            self.report.coverage.passthrough += 1
+            self.report.passed_through()
             return func(*args, **kwargs)
         plan, chain = entry
         if chain[0] is view_rule:  # aliases and metadata: nothing to compute, nothing to compare
@@ -81,15 +150,15 @@ class Engine:
                 with _no_dispatch():  # adopting the outputs must not dispatch (and record) ops of its own
                     self._internal_error(plan, args, kwargs, out, exc)
                 return out
-            self._record(plan, Kind.VIEW, args, kwargs)
+            self._record(plan, Kind.VIEW, args, kwargs, out)
             return out
-        call = error = None
+        prepared = error = None
         try:
             with _no_dispatch():
-                call = self._prepare(plan, chain, args, kwargs)
+                prepared = self._prepare(plan, chain, args, kwargs)
         except _NoValues:
             out = func(*args, **kwargs)
-            self._record(plan, Kind.META, args, kwargs)
+            self._record(plan, Kind.META, args, kwargs, out)
             return out
         except Exception as exc:  # never raise into the user's program
             error = exc
@@ -98,7 +167,7 @@ class Engine:
             try:
                 if error is not None:
                     raise error
-                self._finish(call, args, kwargs, out)
+                self._finish(prepared, args, kwargs, out)
             except Exception as exc:
                 self._internal_error(plan, args, kwargs, out, exc)
         return out
@@ -108,367 +177,283 @@ class Engine:
             plan = plan_of(func)
             if not plan.tensor_args and not any(r.is_tensor for r in plan.returns):
                 return None
-            return plan, rule_chain(plan)
+            return plan, REPLAY.chain(func)
         except Exception as exc:  # never raise into the user's program
-            self.report.coverage.internal_errors += 1
-            self.report.coverage.unsupported.setdefault(str(func), f"internal error reading the schema: {exc}")
+            self.report.internal_error(str(func), f"internal error reading the schema: {exc}")
             return None
 
     def _see(self, plan: OpPlan, args, kwargs) -> None:
         """A view's input storage gets its shadow now (adopted if new), so the view's shadow exists."""
         m = self.mirror
-        for spec in plan.tensor_args:
-            t = spec.get(args, kwargs)
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and m.shadow_dtype(t.dtype) is not None \
-                    and not t._is_zerotensor() and t.layout == torch.strided:
+        for _, t in plan.tensors(args, kwargs):
+            if t.device.type != "meta" and m.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
+                    and t.layout == torch.strided:
                 m.entry(t)
 
     # --- before the device op ---
-    def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> _Call:
-        call = _Call(plan, chain)
-        sargs, skw = list(args), dict(kwargs)
-        for spec in plan.tensor_args:
-            v = spec.get(args, kwargs)
-            if v is None:
-                continue
-            if spec.kind is ArgKind.TENSOR:
-                spec.put(sargs, skw, self._shadow_arg(call, v, spec.write, spec.index in plan.declared_writes))
-            else:
-                spec.put(
-                    sargs,
-                    skw,
-                    [None if t is None else self._shadow_arg(call, t, spec.write, spec.index in plan.declared_writes)
-                     for t in v],
-                )
-        for spec in plan.remap_args:
-            v = spec.get(args, kwargs)
-            new = _remap(spec.name, v)
-            if new is not v:
-                spec.put(sargs, skw, new)
-        call.sargs, call.skw = sargs, skw
-        if self.opt.local and not call.exact:
-            call.largs, call.lkw = self._local_args(plan, args, kwargs, sargs, skw)
-        dtype = call.inputs[0].dtype if call.inputs else None
+    def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:
+        p = Prepared(plan, chain)
+        p.shadow = _remapped(plan, *plan.map_tensors(
+            args, kwargs, lambda t, spec: self._shadow_arg(p, t, spec.write, spec.index in plan.declared_writes)))
+        if self.opt.local and not p.exact:
+            seen: dict[int, torch.Tensor] = {}  # a tensor passed twice (Adam's addcmul_(g, g)) is upcast once
+
+            def up(t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
+                c = seen.get(id(t))
+                if c is None:
+                    c = seen[id(t)] = self.mirror.upcast(t)
+                return c
+
+            p.local = _remapped(plan, *plan.map_tensors(args, kwargs, up))
+        dtype = p.inputs[0].dtype if p.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
-        spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
-        if spot or (self.opt.budgets and self.opt.local and dtype is not None):
-            call.pre = self._pre_inputs(plan, call, spot)
-            call.spot = spot
+        p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
+        if p.spot or (self.opt.budgets and self.opt.local and dtype is not None):
+            p.pre = self._pre_inputs(p)
         if self.opt.compare_cpu and self.opt.local and dtype is not None:
-            call.cpu = self._cpu_inputs(plan, args, kwargs)
-        return call
+            a, kw = plan.map_tensors(args, kwargs, lambda t, _: t.detach().to("cpu", copy=True))  # the kernel may write
+            for spec in plan.remap_args:
+                if isinstance(spec.get(a, kw), torch.device):
+                    spec.put(a, kw, torch.device("cpu"))
+            p.cpu = Args(a, kw)
+        return p
 
-    def _cpu_inputs(self, plan: OpPlan, args, kwargs) -> tuple[list, dict]:
-        """The device's inputs on the CPU in their own dtypes (copies: the CPU kernel may write them)."""
-        a, kw = list(args), dict(kwargs)
-        for spec in plan.tensor_args:
-            v = spec.get(args, kwargs)
-            if isinstance(v, torch.Tensor):
-                spec.put(a, kw, v.detach().to("cpu", copy=True))
-            elif isinstance(v, list):
-                spec.put(a, kw, [t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t for t in v])
-        for spec in plan.remap_args:
-            if isinstance(spec.get(args, kwargs), torch.device):
-                spec.put(a, kw, torch.device("cpu"))
-        return a, kw
-
-    def _pre_inputs(self, plan: OpPlan, call: _Call, spot: bool) -> tuple[list, dict]:
+    def _pre_inputs(self, p: Prepared) -> Args:
         """The reference's inputs as they are before the op: every input that shares memory with a written
         argument is copied (the replays write them; ``x.add_(x, alpha=2)``, ``add(x, y, out=x)``), except
         out= buffers themselves (nothing reads them) and the op's in-place ``self`` when no spot check is
-        planned and the op's budget rules do not read it (elementwise ulps rules, the optimizer's
-        add/addcmul/addcdiv: ``shadow.budgets.reads_overwritten``)."""
-        a, kw = (call.largs, call.lkw) if call.largs is not None else (call.sargs, call.skw)
-        a, kw = list(a), dict(kw)
-        written: set[int] = set()
-        for spec in plan.writes:
-            v = spec.get(a, kw)
-            for t in (v if isinstance(v, list) else [v]):
-                if isinstance(t, torch.Tensor):
-                    written.add(t.untyped_storage().data_ptr())
+        planned and the op's budget rules do not read it (``shadow.budgets.reads_overwritten``)."""
+        plan, ref = p.plan, p.reference
+        written = {t.untyped_storage().data_ptr() for _, t in plan.tensors(ref.args, ref.kwargs, plan.writes)}
         if not written:
-            return a, kw
-        skip = plan.out_args if spot or reads_overwritten(plan.func) else plan.write_args
+            return Args(list(ref.args), dict(ref.kwargs))
+        skip = plan.out_args if p.spot or reads_overwritten(plan.func) else plan.write_args
+        return Args(*plan.map_tensors(
+            ref.args, ref.kwargs, lambda t, _: t.clone() if t.untyped_storage().data_ptr() in written else t, skip))
 
-        def copy(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in written:
-                return t.clone()
-            return t
-
-        for spec in plan.tensor_args:
-            if spec.index in skip:
-                continue
-            v = spec.get(a, kw)
-            if isinstance(v, torch.Tensor):
-                spec.put(a, kw, copy(v))
-            elif isinstance(v, list):
-                spec.put(a, kw, [copy(t) for t in v])
-        return a, kw
-
-    def _shadow_arg(self, call: _Call, t: Any, write: bool, declared: bool) -> Any:
-        if not isinstance(t, torch.Tensor):  # a Python scalar in a Tensor slot
-            return t
+    def _shadow_arg(self, p: Prepared, t: torch.Tensor, write: bool, declared: bool) -> torch.Tensor:
         if t.device.type == "meta":
             raise _NoValues
         if t.layout != torch.strided:  # sparse (COO, CSR...) and mkldnn tensors have no strided storage to mirror
-            raise Unsupported(call.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
-        sd = self.mirror.shadow_dtype(t.dtype)
+            raise Unsupported(p.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
+        m = self.mirror
+        sd = m.shadow_dtype(t.dtype)
         if sd is None:  # discrete, following the device: its values, never written back
             c = t.to("cpu")
             return c.clone() if write and c is t else c
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
             return torch.zeros(t.shape, dtype=sd)
-        m = self.mirror
         e = m.entry(t)
         if m.unobserved_write(t, e):
             m.resync(t)
             e = m.entry(t)
-            self.report.coverage.unobserved_writes += 1
-            self.report.events.append(
-                Event(self._index, call.plan.name, "unobserved_write",
-                      f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced")
-            )
+            self.report.unobserved_write(Event(
+                self._index, p.plan.name, "unobserved_write",
+                f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced"))
         if declared:
             m.note_write(e)
-        call.exact = call.exact and e.exact
-        call.inputs.append(t)
-        call.storages.add(e.sptr)
+        p.exact = p.exact and e.exact
+        p.inputs.append(t)
+        p.storages.add(e.sptr)
         return m.view(t, e)
 
-    def _local_args(self, plan: OpPlan, args, kwargs, sargs, skw) -> tuple[list, dict]:
-        """The device's own inputs, upcast exactly (copies: the replay may write them)."""
-        largs, lkw = list(sargs), dict(skw)
-        seen: dict[int, torch.Tensor] = {}  # a tensor passed twice (Adam's addcmul_(g, g)) is upcast once
-
-        def up(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            c = seen.get(id(t))
-            if c is None:
-                c = seen[id(t)] = self.mirror.upcast(t)
-            return c
-
-        for spec in plan.tensor_args:
-            v = spec.get(args, kwargs)
-            if v is None:
-                continue
-            if spec.kind is ArgKind.TENSOR:
-                spec.put(largs, lkw, up(v))
-            else:
-                spec.put(largs, lkw, [up(t) for t in v])
-        return largs, lkw
-
     # --- after the device op ---
-    def _finish(self, call: _Call, args, kwargs, out) -> None:
-        plan = call.plan
+    def _finish(self, p: Prepared, args, kwargs, out) -> None:
+        plan = p.plan
         try:
-            kind, souts = run_chain(call.chain, Replay(plan, call.sargs, call.skw, out))
+            kind, souts = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out))
         except Unsupported as exc:
             self._adopt_all(plan, args, kwargs, out)
-            self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=exc.reason, inputs=call.inputs)
+            self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=p.inputs)
             return
         # random or uninitialized: the device's values are adopted (by kind: a replayed in-place op that returns
         # nothing, such as _foreach_add_ or _fused_adam_, also gives None and its shadow writes must be kept)
         if souts is None and kind in (Kind.RANDOM, Kind.ADOPTED):
             self._adopt_all(plan, args, kwargs, out)
-            self._record(plan, kind, args, kwargs, inputs=call.inputs)
+            self._record(plan, kind, args, kwargs, out, inputs=p.inputs)
             return
-        louts = None
-        if call.largs is not None:
-            _, louts = run_chain(call.chain, Replay(plan, call.largs, call.lkw, out))
-        results, item, n_out = self._results(call, args, kwargs, out, souts, louts)
-        budget = self._budget(call, results, n_out) if call.pre is not None and self.opt.budgets else None
-        # spot-check the reference the local error is measured against, before any comparison: where it
-        # is untrusted, the exact value replaces it (and the shadow, when it is that reference)
-        spot = self._spot_check(call, out, louts if call.largs is not None else souts, budget) if call.spot else None
-        drifts, locals_, flips, lflips, mismatch = [], [], 0, 0, 0
-        for d, sh, lo, written, bidx in results:
-            if isinstance(d, torch.Tensor):
-                f = self._output(call, d, sh, lo, written, drifts, locals_, budget=budget, bidx=bidx)
-            else:  # a number (.item(), equal): compared, never kept
-                dtype = next((t.dtype for t in call.inputs), torch.float64)
-                f = self._output(call, _scalar(d, dtype), _scalar(sh, dtype), None if lo is None else _scalar(lo, dtype),
-                                 False, drifts, locals_, keep=False, dtype=dtype)
-            flips += f[0]; lflips += f[1]; mismatch += f[2]  # noqa: E702
-        drift = merged(drifts) if self.opt.drift else None
-        local = merged(locals_) if self.opt.local else None
-        binfo = None
-        if budget is not None and local is not None:
-            if local.norm > 0:
-                local.effective_bits = budget.bits(local.norm ** 2)
-            binfo = BudgetInfo(budget.kind, local.budget_used or 0.0, budget.is_default)
-        cpu = self._cpu_error(call, results) if call.cpu is not None and kind is not Kind.RANDOM else None
-        self._record(plan, kind, args, kwargs, local=local, drift=drift, flips=flips, local_flips=lflips,
-                     mismatch=mismatch, item=item, inputs=call.inputs, spot=spot, budget=binfo, cpu=cpu)
+        louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None
+        outputs = self._outputs(p, args, kwargs, out, souts, louts)
+        verdict = self._judge(p, outputs, out, louts if p.local is not None else souts)
+        for o, c in zip(outputs.items, verdict.compared):
+            self._commit(p, o, c)
+        cpu = self._cpu_error(p, outputs) if p.cpu is not None and kind is not Kind.RANDOM else None
+        self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs, cpu=cpu)
 
-    def _cpu_error(self, call: _Call, results: list) -> ErrorStats | None:
-        """compare_cpu: the op's CPU kernel in the device dtype, on the device's inputs, against the same
-        float64 reference as the local error (the verdict msprobe and dynamo's same(fp64_ref) use).
-        Random ops never get here: the CPU kernel would draw from the CPU generator."""
-        plan, (a, kw) = call.plan, call.cpu
-        try:
-            out = plan.func(*a, **kw)
-        except Exception:  # no CPU kernel for this dtype (a device-only kernel): no comparison
-            return None
-        flat = [t for _, t in flat_returns(plan, out)]
-        if not any(isinstance(t, torch.Tensor) for t in flat):  # in-place ops that return nothing
-            flat = []
-            for spec in plan.writes:
-                v = spec.get(a, kw)
-                flat.extend([v] if spec.kind is ArgKind.TENSOR else (v or []))
-        stats = []
-        for d, sh, lo, _, bidx in results:
-            if bidx is None or bidx >= len(flat) or not isinstance(d, torch.Tensor) or shadow_dtype_of(d.dtype) is None:
-                continue
-            ref, c = lo if isinstance(lo, torch.Tensor) else sh, flat[bidx]
-            if isinstance(c, torch.Tensor) and isinstance(ref, torch.Tensor) and c.shape == ref.shape:
-                stats.append(compare(c, ref, d.dtype))
-        return merged(stats)
-
-    def _results(self, call: _Call, args, kwargs, out, souts, louts) -> tuple[list, Any, int]:
-        """(device, shadow, local, written, budget index) per result: written arguments (in-place, out=),
-        then fresh returns; and an .item()-like number pair. The budget index follows shadow.budgets: the
-        flattened returns (a written argument by the return aliasing it), or the written ones if none."""
-        plan = call.plan
+    def _outputs(self, p: Prepared, args, kwargs, out, souts, louts) -> Outputs:
+        """Written arguments (in-place, out=), then fresh returns, then an .item()-like number. Slots follow
+        shadow.budgets: the flattened returns (a written argument by the return aliasing it), or the
+        written arguments if the op returns nothing."""
+        plan = p.plan
         dflat = flat_returns(plan, out)
         has_returns = any(isinstance(t, torch.Tensor) for _, t in dflat)
-        ret_idx = {id(t): i for i, (_, t) in enumerate(dflat) if isinstance(t, torch.Tensor)}
-        results, w = [], 0
+        ret_slot = {id(t): i for i, (_, t) in enumerate(dflat) if isinstance(t, torch.Tensor)}
+        items: list[Output] = []
+        w = 0
         for spec in plan.writes:
             dev = spec.get(args, kwargs)
             if dev is None:
                 continue
-            # the local replay ran when largs exist (louts is None too for in-place ops that return nothing)
-            sh, lo = spec.get(call.sargs, call.skw), (spec.get(call.largs, call.lkw) if call.largs is not None else None)
-            if spec.kind is ArgKind.TENSOR:
+            # the local replay ran when local args exist (louts is None too for in-place ops that return nothing)
+            sh, lo = p.shadow.get(spec), (p.local.get(spec) if p.local is not None else None)
+            if isinstance(dev, torch.Tensor):
                 dev, sh, lo = [dev], [sh], [lo]
             elif lo is None:
                 lo = [None] * len(dev)
             for d, s, l in zip(dev, sh, lo):
                 if isinstance(d, torch.Tensor):
-                    results.append((d, s, l, True, ret_idx.get(id(d)) if has_returns else w))
+                    items.append(Output(d, s, l, True, ret_slot.get(id(d)) if has_returns else w))
                     w += 1
         item = None
         if plan.returns and not all(r.aliases_write or r.aliases_read for r in plan.returns):
             sflat = flat_returns(plan, souts)
-            lflat = flat_returns(plan, louts) if call.largs is not None else [(None, None)] * len(dflat)
+            lflat = flat_returns(plan, louts) if p.local is not None else [(None, None)] * len(dflat)
             for i, ((spec, d), (_, s), (_, l)) in enumerate(zip(dflat, sflat, lflat)):
                 if spec.aliases_write or spec.aliases_read:
                     continue
                 if isinstance(d, torch.Tensor):
-                    results.append((d, s, l, False, i))
+                    items.append(Output(d, s, l, False, i))
                 elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):  # .item(), equal
                     item = (d, s)
-                    results.append((d, s, l, False, None))
-        return results, item, (len(dflat) if has_returns else w)
+                    items.append(Output(d, s, l, False, None))
+        dtype = next((o.device.dtype for o in items if isinstance(o.device, torch.Tensor)
+                      and shadow_dtype_of(o.device.dtype)), p.inputs[0].dtype if p.inputs else torch.float64)
+        return Outputs(items, len(dflat) if has_returns else w, item, dtype)
 
-    def _budget(self, call: _Call, results: list, n_out: int) -> Budget | None:
-        """The op's error budget from its inputs before the op and the float64 results the local error is
-        measured against; None (no budget) where there is nothing to bound or no float results."""
-        refs: dict[int, Any] = {}
-        for d, sh, lo, _, bidx in results:
-            if bidx is not None and isinstance(d, torch.Tensor):
-                refs[bidx] = lo if isinstance(lo, torch.Tensor) else sh
-        if not refs:
-            return None
-        outs = [refs.get(i) for i in range(max(n_out, max(refs) + 1))]  # None where an output is absent
+    # --- judging: the one place that turns outputs into figures ---
+    def _judge(self, p: Prepared, outputs: Outputs, out: Any, refs: Any) -> Verdict:
+        """Every output compared with its shadow (drift) and local reference, held to the op's budget
+        (``budget_used``: max |error| / bound, or max_ulp / ulps for budgets in ulps), its effective bits, and
+        the spot check of the reference, whose untrusted elements are replaced by their exact values first."""
+        budget = self._budget(p, outputs) if p.pre is not None and self.opt.budgets and self.opt.local else None
+        spot = self._spot_check(p, out, refs, outputs.dtype, budget) if p.spot else None
+        compared = []
+        for o in outputs.items:
+            if isinstance(o.device, torch.Tensor):
+                compared.append(self._compare(p, o, o.device.dtype, budget))
+            else:  # a number (.item(), equal): compared, never kept
+                dtype = next((t.dtype for t in p.inputs), torch.float64)
+                lo = None if o.local is None else _scalar(o.local, dtype)
+                c = self._compare(p, Output(_scalar(o.device, dtype), _scalar(o.shadow, dtype), lo, False, None),
+                                  dtype, None)
+                c.keep = None
+                compared.append(c)
+        drift = merged(c.drift for c in compared) if self.opt.drift else None
+        local = merged(c.local for c in compared) if self.opt.local else None
+        info = None
+        if budget is not None and local is not None:
+            if local.norm > 0:
+                local.effective_bits = budget.bits(local.norm ** 2)
+            info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
+        return Verdict(local, drift, sum(c.flips for c in compared), sum(c.local_flips for c in compared),
+                       sum(c.mismatch for c in compared), info, spot, compared)
 
-        # the error is measured in the result's dtype (a cast to bfloat16 is held to bfloat16's rounding)
-        dtype = next((d.dtype for d, *_ in results if isinstance(d, torch.Tensor) and shadow_dtype_of(d.dtype)),
-                     call.inputs[0].dtype)
-        try:
-            return budget_for(call.plan.func, call.pre[0], call.pre[1], outs, dtype)
-        except Exception as exc:  # a budget rule's bug must not cost the op its error figures: counted, visible
-            self.report.coverage.internal_errors += 1
-            self.report.coverage.unsupported.setdefault(
-                f"budget of {call.plan.name}", f"internal error: {type(exc).__name__}: {exc}"[:240])
-            return None
-
-    def _spot_check(self, call: _Call, out: Any, refs: Any, budget: Budget | None):
-        """mpmath check of sampled elements of the float64 reference the local error is measured against;
-        untrusted elements of that reference are overwritten with their exact values. With the budget of a
-        sum (``Budget.of_sum``: reductions, matmul, convolution, norms, losses...), bound / |reference| is the
-        condition estimate that picks the first samples (sum|x| / |sum x| for sums, ||a_i|| ||b_j|| / |c_ij|
-        for matmuls: where the reference cancels). Elementwise ops are one float64 rounding of exact inputs:
-        their reference cannot cancel below float64's own rounding, and their samples stay random."""
-        plan = call.plan
-        dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
-        ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
-        dtype = next((t.dtype for t in dev if t is not None and shadow_dtype_of(t.dtype)), call.inputs[0].dtype)
-        priority = None
-        if budget is not None and budget.of_sum:
-            priority = [_condition(b, r) for b, r in zip(budget.bound, ref)]
-        stats = self.spot.check(plan.func, call.pre[0], call.pre[1], dev, ref, dtype, priority)
-        if stats is not None and not stats.trusted:
-            for s in self.spot.last:
-                if not s.trusted and ref[s.output] is not None:
-                    ref[s.output][s.index] = s.exact  # the exact value, rounded once to float64
-        return stats
-
-    def _output(self, call: _Call, dev: torch.Tensor, sh: Any, lo: Any, written: bool, drifts: list, locals_: list,
-                keep: bool = True, dtype: torch.dtype | None = None, budget: Budget | None = None,
-                bidx: int | None = None) -> tuple[int, int, int]:
-        """Compare one device output with its shadow (and local) value and keep the shadow (``keep``).
-        ``dtype``: the device dtype the error is measured in (default: dev's own)."""
-        dtype = dtype or dev.dtype
-        m = self.mirror
-        sd = m.shadow_dtype(dev.dtype)
+    def _compare(self, p: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None) -> Compared:
+        """One output's figures; ``dtype``: the device dtype its error is measured in."""
+        dev, sh, lo = o.device, o.shadow, o.local
+        sd = self.mirror.shadow_dtype(dev.dtype)
         if not isinstance(sh, torch.Tensor) or dev._is_zerotensor():
-            return 0, 0, 0
+            return Compared()
         if dev.layout != torch.strided:  # a sparse result (to_sparse): no strided storage to mirror
-            raise Unsupported(call.plan.name, f"{dev.layout} result: shadow mirrors strided tensors only")
-        if sh.shape != dev.shape:  # a data-dependent shape the shadow did not reproduce
-            if sd is not None:
-                m.assign(dev, m.upcast(dev), exact=True, fresh=True)
-            return 0, 0, 1
+            raise Unsupported(p.plan.name, f"{dev.layout} result: shadow mirrors strided tensors only")
+        if sh.shape != dev.shape:  # a data-dependent shape the shadow did not reproduce: the device's adopted
+            return Compared(mismatch=1, exact=True, keep=self.mirror.upcast(dev) if sd is not None else None)
         if shadow_dtype_of(dev.dtype) is None:  # discrete result
             flips = count_flips(dev, sh)
             lflips = count_flips(dev, lo) if isinstance(lo, torch.Tensor) and lo.shape == dev.shape else 0
-            if sd is not None and keep:  # follow="reference": the shadow keeps its own discrete result
-                sh = sh.to(sd)
-                if written:
-                    m.commit_write(dev, sh, exact=flips == 0)
-                else:
-                    m.assign(dev, sh, exact=flips == 0, fresh=sh.untyped_storage()._cdata not in call.storages)
-            return flips, lflips, 0
+            # follow="reference": the shadow keeps its own discrete result
+            return Compared(flips=flips, local_flips=lflips, exact=flips == 0, keep=sh.to(sd) if sd is not None else None)
         if sh.dtype != sd:
             sh = sh.to(sd)
         has_local = isinstance(lo, torch.Tensor)
-        # the bound of this result: none for ulps budgets (budget_used = max_ulp / ulps, no tensor needed)
-        bound = None
-        if budget is not None and bidx is not None and budget.ulps is None and self.opt.local:
+        bound = None  # budgets in ulps need no tensor: budget_used = max_ulp / ulps
+        if budget is not None and o.slot is not None and budget.ulps is None:
             bounds = budget.bound
-            bound = bounds[bidx] if bidx < len(bounds) else None
+            bound = bounds[o.slot] if o.slot < len(bounds) else None
         # with every input exact (no local replay), the shadow comparison is the local error too
         shared = self.opt.local and not has_local
         st = compare(dev, sh, dtype, bound if shared else None) if self.opt.drift or shared else None
+        c = Compared(exact=st is not None and st.exact, keep=sh)
         if self.opt.local:
-            loc = (compare(dev, lo, dtype, bound) if lo.shape == dev.shape else ErrorStats()) if has_local else st
-            if budget is not None and bidx is not None and budget.ulps is not None:
-                loc.budget_used = loc.max_ulp / budget.ulps if budget.ulps > 0 else (_INF if loc.max_abs else 0.0)
-            locals_.append(loc)
+            c.local = (compare(dev, lo, dtype, bound) if lo.shape == dev.shape else ErrorStats()) if has_local else st
+            if budget is not None and o.slot is not None and budget.ulps is not None:
+                c.local.budget_used = c.local.max_ulp / budget.ulps if budget.ulps > 0 else \
+                    (_INF if c.local.max_abs else 0.0)
         if self.opt.drift:
-            drifts.append(dataclasses.replace(st, budget_used=None) if shared and st.budget_used is not None else st)
-        exact = st is not None and st.exact
-        if not keep:
-            return 0, 0, 0
-        if written:
-            m.commit_write(dev, sh, exact)
+            c.drift = dataclasses.replace(st, budget_used=None) if shared and st.budget_used is not None else st
+        return c
+
+    def _budget(self, p: Prepared, outputs: Outputs) -> Budget | None:
+        """The op's error budget from its inputs before the op and the float64 results the local error is
+        measured against; None (no budget) where there is nothing to bound or no float results."""
+        refs = {o.slot: o.reference for o in outputs.items if o.slot is not None and isinstance(o.device, torch.Tensor)}
+        if not refs:
+            return None
+        slots = [refs.get(i) for i in range(max(outputs.slots, max(refs) + 1))]  # None where an output is absent
+        try:
+            return budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype)
+        except Exception as exc:  # a budget rule's bug must not cost the op its error figures: counted, visible
+            self.report.internal_error(f"budget of {p.plan.name}", f"internal error: {type(exc).__name__}: {exc}"[:240])
+            return None
+
+    def _spot_check(self, p: Prepared, out: Any, refs: Any, dtype: torch.dtype, budget: Budget | None):
+        """mpmath check of sampled elements of the float64 reference the local error is measured against;
+        untrusted elements of that reference are overwritten with their exact values. With the budget of a
+        sum (``Budget.of_sum``), bound / |reference| is the condition estimate that picks the first samples
+        (where the reference cancels); elementwise ops round once from exact inputs and are sampled at random."""
+        plan = p.plan
+        dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
+        ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
+        priority = [_condition(b, r) for b, r in zip(budget.bound, ref)] if budget is not None and budget.of_sum \
+            else None
+        stats, samples = self.spot.check(plan.func, p.pre.args, p.pre.kwargs, dev, ref, dtype, priority)
+        for s in samples:
+            if not s.trusted and ref[s.output] is not None:
+                ref[s.output][s.index] = s.exact  # the exact value, rounded once to float64
+        return stats
+
+    def _cpu_error(self, p: Prepared, outputs: Outputs) -> ErrorStats | None:
+        """compare_cpu: the op's CPU kernel in the device dtype, on the device's inputs, against the same
+        float64 reference as the local error (the verdict msprobe and dynamo's same(fp64_ref) use).
+        Random ops never get here: the CPU kernel would draw from the CPU generator."""
+        plan, a = p.plan, p.cpu
+        try:
+            out = plan.func(*a.args, **a.kwargs)
+        except Exception:  # no CPU kernel for this dtype (a device-only kernel): no comparison
+            return None
+        flat = [t for _, t in flat_returns(plan, out)]
+        if not any(isinstance(t, torch.Tensor) for t in flat):  # in-place ops that return nothing
+            flat = [t for _, t in plan.tensors(a.args, a.kwargs, plan.writes)]
+        stats = []
+        for o in outputs.items:
+            d = o.device
+            if o.slot is None or o.slot >= len(flat) or not isinstance(d, torch.Tensor) \
+                    or shadow_dtype_of(d.dtype) is None:
+                continue
+            ref, c = o.reference, flat[o.slot]
+            if isinstance(c, torch.Tensor) and isinstance(ref, torch.Tensor) and c.shape == ref.shape:
+                stats.append(compare(c, ref, d.dtype))
+        return merged(stats)
+
+    # --- committing: the shadows the mirror keeps ---
+    def _commit(self, p: Prepared, o: Output, c: Compared) -> None:
+        if c.keep is None:
+            return
+        m, dev = self.mirror, o.device
+        if c.mismatch:  # the device's value, adopted
+            m.assign(dev, c.keep, exact=True, fresh=True)
+        elif o.written:
+            m.commit_write(dev, c.keep, c.exact)
         else:
-            e = m.assign(dev, sh, exact, fresh=sh.untyped_storage()._cdata not in call.storages)
-            m.unobserved_write(dev, e)  # start tracking the new output's version counter
-        return 0, 0, 0
+            e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages)
+            if shadow_dtype_of(dev.dtype) is not None:
+                m.unobserved_write(dev, e)  # start tracking the new output's version counter
 
     # --- adoption and recording ---
     def _adopt_all(self, plan: OpPlan, args, kwargs, out) -> None:
         """Make the device's values the shadow of every output and written argument."""
         m = self.mirror
-        targets: list = []
-        for spec in plan.writes:
-            v = spec.get(args, kwargs)
-            if v is not None:
-                targets.extend([v] if spec.kind is ArgKind.TENSOR else v)
-        targets.extend(t for _, t in flat_returns(plan, out))
+        targets = [t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)]
         for t in targets:
             if isinstance(t, torch.Tensor) and not t._is_zerotensor() and m.shadow_dtype(t.dtype) is not None \
                     and t.layout == torch.strided:  # sparse results have no storage to mirror
@@ -477,22 +462,27 @@ class Engine:
     def _internal_error(self, plan: OpPlan, args, kwargs, out, exc: Exception) -> None:
         if isinstance(exc, Unsupported):  # a limit of shadow found while preparing (sparse layouts), not a bug
             self._adopt_all(plan, args, kwargs, out)
-            self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=exc.reason)
+            self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason)
             return
-        self.report.coverage.internal_errors += 1
+        reason = f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        self.report.internal_error(plan.name, reason)
         try:
             self._adopt_all(plan, args, kwargs, out)
         except Exception:  # adoption failed too: the next read re-adopts from the device
             pass
-        reason = f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        self._record(plan, Kind.UNSUPPORTED, args, kwargs, reason=reason)
+        self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=reason)
 
-    def _record(self, plan: OpPlan, kind: Kind, args, kwargs, *, local=None, drift=None, flips=0, local_flips=0,
-                mismatch=0, item=None, reason="", inputs=(), spot=None, budget=None, cpu=None) -> None:
+    def _record(self, plan: OpPlan, kind: Kind, args, kwargs, out, *, verdict: Verdict | None = None, item=None,
+                reason: str = "", inputs=(), cpu: ErrorStats | None = None) -> None:
         module, phase = self.attr.where(inputs)
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
-        rec = Record(self._index, plan.name, module, phase, kind.value, local, drift, flips, local_flips, mismatch,
-                     item, reason, spot, budget, fallback, cpu)
+        result = _first_tensor(plan, args, kwargs, out)
+        rec = Record(self._index, plan.name, module, phase, kind, reason=reason, item=item, cpu_fallback=fallback,
+                     cpu=cpu, dtype=str(result.dtype) if result is not None else "",
+                     shape=tuple(result.shape) if result is not None else ())
+        if verdict is not None:
+            rec.local, rec.drift, rec.budget, rec.spot = verdict.local, verdict.drift, verdict.budget, verdict.spot
+            rec.flips, rec.local_flips, rec.shape_mismatch = verdict.flips, verdict.local_flips, verdict.mismatch
         self._index += 1
         self.report.add(rec)
 
@@ -511,6 +501,34 @@ class Engine:
             return v.clone()
 
 
+def _remapped(plan: OpPlan, args: list, kwargs: dict) -> Args:
+    """dtype and device arguments rewritten for the float64 CPU replay (in place in these copies)."""
+    for spec in plan.remap_args:
+        v = spec.get(args, kwargs)
+        new = _remap(spec.name, v)
+        if new is not v:
+            spec.put(args, kwargs, new)
+    return Args(args, kwargs)
+
+
+def _remap(name: str, v: Any) -> Any:
+    if isinstance(v, torch.dtype):
+        return shadow_dtype_of(v) or v
+    if isinstance(v, torch.device):
+        return torch.device("cpu")
+    if name in ("pin_memory", "half_to_float") and v:
+        return False
+    return v
+
+
+def _first_tensor(plan: OpPlan, args, kwargs, out) -> torch.Tensor | None:
+    """The call's result: its first returned tensor, else its first written argument (in-place foreach)."""
+    for _, t in flat_returns(plan, out):
+        if isinstance(t, torch.Tensor):
+            return t
+    return next((t for _, t in plan.tensors(args, kwargs, plan.writes)), None)
+
+
 def _condition(bound: Any, r: Any) -> torch.Tensor | None:
     """bound / |r| elementwise (a budget's error bound relative to the result: large where r cancels)."""
     if not isinstance(bound, torch.Tensor) or not isinstance(r, torch.Tensor) or r.is_complex() \
@@ -525,15 +543,3 @@ def _scalar(v: Any, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(v, float) or dtype.is_floating_point and not isinstance(v, bool):
         return torch.tensor(float(v), dtype=torch.float64)
     return torch.tensor(v)
-
-
-def _remap(name: str, v: Any) -> Any:
-    """dtype and device arguments for the float64 CPU replay."""
-    if isinstance(v, torch.dtype):
-        return shadow_dtype_of(v) or v
-    if isinstance(v, torch.device):
-        return torch.device("cpu")
-    if name in ("pin_memory", "half_to_float") and v:
-        return False
-    return v
-

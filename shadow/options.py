@@ -1,15 +1,15 @@
-"""ShadowMode options: keyword-only, validated, with errors that list the valid values."""
+"""ShadowMode options: keyword-only, validated and parsed once into frozen values, with errors that list
+the valid values."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from .errors import ShadowOptionError
+from .spot import SpotConfig
+
 FOLLOW = ("device", "reference")
-
-
-class ShadowOptionError(ValueError):
-    """An option has a value shadow cannot use; the message names the valid values."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class Options:
     drift: bool = True  # record the error accumulated since the start (device vs shadow)
     follow: str = "device"  # discrete results (indices, masks) downstream: the device's or the shadow's own
     max_records: int | None = None  # keep at most this many per-call records (aggregates cover all calls)
-    spot_checks: Any = "default"  # mpmath spot checks: "off" | "default" | int per call | {op: count} | "all"
+    spot_checks: Any = "default"  # mpmath spot checks, parsed into a SpotConfig (shadow.spot.SpotConfig.parse)
     budgets: bool = True  # hold each local error to the op's a-priori error budget (shadow.budgets)
     compare_cpu: bool = False  # also run each op on the CPU in the device's dtype: device error / CPU error
 
@@ -32,6 +32,4 @@ class Options:
             isinstance(self.max_records, bool) or not isinstance(self.max_records, int) or self.max_records < 0
         ):
             raise ShadowOptionError(f"max_records={self.max_records!r}: expected None (keep all) or an int >= 0")
-        from .spot import SpotPolicy  # spot imports this module: validate lazily
-
-        SpotPolicy.from_option(self.spot_checks)
+        object.__setattr__(self, "spot_checks", SpotConfig.parse(self.spot_checks))  # frozen: parsed once, here

@@ -58,7 +58,7 @@ class ReturnSpec:
     aliases_read: bool  # a view of an argument
 
 
-# Kernels that mutate arguments their schema does not mark as written (DESIGN.md: native_batch_norm's running stats).
+# Kernels that mutate arguments their schema does not mark as written (native_batch_norm's running stats).
 UNDECLARED_WRITES: dict[torch._ops.OpOverload, tuple[int, ...]] = {
     aten.native_batch_norm.default: (3, 4),
 }
@@ -114,7 +114,7 @@ class OpPlan:
         """Every argument by name: as passed, else its schema default, else None."""
         return {a.name: self.arg(args, kwargs, a.name) for a in self.func._schema.arguments}
 
-    def replace(self, args: tuple | list, kwargs: dict, **new: Any) -> tuple[list, dict]:
+    def replace(self, args: tuple | list, kwargs: dict, /, **new: Any) -> tuple[list, dict]:
         """Copies of (args, kwargs) with the named arguments replaced (added as keywords if not passed)."""
         args, kwargs = list(args), dict(kwargs)
         for name, v in new.items():

@@ -1,4 +1,5 @@
-"""Records (numbers only, no tensors), per-op aggregates, coverage, and the saved report format."""
+"""The report of a run: per-call records (``shadow.records``), per-op and per-module aggregates, coverage,
+and the saved format."""
 
 from __future__ import annotations
 
@@ -8,91 +9,13 @@ import math
 import os
 from typing import Any, Iterable
 
+from .errors import ReportFormatError
 from .metrics import ErrorStats
-from .spot import SpotStats
+from .records import Event, Kind, Record, numbers
 
 FORMAT = "shadow-report"
-VERSION = 3  # 2: spot checks; 3: error budgets
-PHASES = ("forward", "backward", "optimizer", "other")
-
-
-class ReportFormatError(ValueError):
-    """A file is not a shadow report this version can read."""
-
-
-@dataclasses.dataclass(slots=True)
-class BudgetInfo:
-    """The error budget a call's local error was held to (shadow.budgets): the rule family, how much of it
-    the local error used (max abs / bound; > 1 is over budget), and whether no rule knew the op."""
-
-    kind: str
-    used: float
-    is_default: bool = False
-
-
-@dataclasses.dataclass(slots=True)
-class Record:
-    """One op call. ``local``: the device output against the op replayed in float64 on the device's own
-    inputs; ``drift``: against the shadow, computed from shadow inputs since the start."""
-
-    index: int
-    op: str
-    module: str
-    phase: str
-    kind: str
-    local: ErrorStats | None = None
-    drift: ErrorStats | None = None
-    flips: int = 0  # discrete outputs: elements where the device differs from the shadow
-    local_flips: int = 0  # ... from the replay on the device's own inputs
-    shape_mismatch: int = 0  # outputs whose shape differed from the shadow's (device adopted)
-    item: tuple[float, float] | None = None  # .item(): (device value, shadow value)
-    reason: str = ""  # why an op was not replayed
-    spot: SpotStats | None = None  # mpmath spot check of the float64 reference (None: not sampled)
-    budget: BudgetInfo | None = None  # the error budget of the local error (None: budgets off or no float result)
-    cpu_fallback: bool = False  # the backend ran this op through its CPU fallback (DirectML): CPU arithmetic
-    cpu: ErrorStats | None = None  # compare_cpu=True: the CPU kernel's own error, same dtype, same reference
-
-    @property
-    def cpu_ratio(self) -> float | None:
-        """Device error / CPU error on the same inputs in the same dtype (max abs): ~1 means the device
-        kernel is as accurate as PyTorch's CPU kernel; >> 1, less accurate than the dtype allows in practice."""
-        if self.cpu is None or self.local is None:
-            return None
-        if self.cpu.max_abs == 0.0:
-            return 1.0 if self.local.max_abs == 0.0 else math.inf
-        return self.local.max_abs / self.cpu.max_abs
-
-    @property
-    def over_budget(self) -> bool:
-        """The op's own error is above what a correct kernel in the device dtype may make (default budgets,
-        a few ulps guessed for ops no rule knows, never make a call over budget: they are no evidence)."""
-        return self.budget is not None and not self.budget.is_default and self.budget.used > 1.0
-
-    @property
-    def nonfinite(self) -> int:
-        return self.drift.nonfinite if self.drift is not None else 0
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["local"] = self.local.to_dict() if self.local is not None else None
-        d["drift"] = self.drift.to_dict() if self.drift is not None else None
-        d["spot"] = self.spot.to_dict() if self.spot is not None else None
-        d["budget"] = dataclasses.asdict(self.budget) if self.budget is not None else None
-        d["cpu"] = self.cpu.to_dict() if self.cpu is not None else None
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Record:
-        d = dict(d)
-        d["local"] = ErrorStats(**_numbers(d["local"])) if d.get("local") is not None else None
-        d["drift"] = ErrorStats(**_numbers(d["drift"])) if d.get("drift") is not None else None
-        if d.get("item") is not None:
-            d["item"] = tuple(_number(v) for v in d["item"])
-        d["spot"] = SpotStats.from_dict(d["spot"]) if d.get("spot") is not None else None
-        d["cpu"] = ErrorStats(**_numbers(d["cpu"])) if d.get("cpu") is not None else None
-        if d.get("budget") is not None:
-            d["budget"] = BudgetInfo(**{**d["budget"], "used": _number(d["budget"]["used"])})
-        return cls(**d)
+VERSION = 4  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls
+READS = (3, 4)  # versions this shadow loads (3: the budget family was "kind", over_budget_calls "over_budget")
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,14 +32,14 @@ class Aggregate:
     nonfinite: int = 0
     first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
     max_budget_used: float = 0.0  # the worst local error as a fraction of its budget (> 1: over)
-    over_budget: int = 0  # calls over budget
+    over_budget_calls: int = 0  # calls over budget (Record.over_budget)
     min_effective_bits: float = math.inf  # the fewest mantissa bits a call's local error reads (inf: all exact)
     spot_checked: int = 0  # calls whose float64 reference was spot-checked with mpmath
     spot_untrusted: int = 0  # ... and found less accurate than the device error needs
 
     def add(self, rec: Record) -> None:
         self.calls += 1
-        self.kinds[rec.kind] = self.kinds.get(rec.kind, 0) + 1
+        self.kinds[rec.kind.value] = self.kinds.get(rec.kind.value, 0) + 1
         if rec.local is not None:
             self.max_local_ulp = max(self.max_local_ulp, rec.local.max_ulp)
             self.max_local_abs = max(self.max_local_abs, rec.local.max_abs)
@@ -126,7 +49,7 @@ class Aggregate:
         self.flips += rec.flips
         if rec.budget is not None and not rec.budget.is_default:
             self.max_budget_used = max(self.max_budget_used, rec.budget.used)
-            self.over_budget += rec.budget.used > 1.0
+            self.over_budget_calls += rec.over_budget
             bits = rec.local.effective_bits if rec.local is not None else None
             if bits is not None and not math.isnan(bits):
                 self.min_effective_bits = min(self.min_effective_bits, bits)
@@ -159,7 +82,7 @@ class Coverage:
 
     @property
     def unsupported_calls(self) -> int:
-        return self.kinds.get("unsupported", 0)
+        return self.kinds.get(Kind.UNSUPPORTED.value, 0)
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
@@ -170,16 +93,6 @@ class Coverage:
         )
         lines += [f"  unsupported {op}: {why}" for op, why in sorted(self.unsupported.items())]
         return "\n".join(lines)
-
-
-@dataclasses.dataclass(slots=True)
-class Event:
-    """Something that happened between ops (a write shadow did not see)."""
-
-    index: int  # the op call at which it was detected
-    op: str
-    kind: str
-    detail: str
 
 
 class Report:
@@ -202,8 +115,8 @@ class Report:
 
     def add(self, rec: Record) -> None:
         self.coverage.calls += 1
-        self.coverage.kinds[rec.kind] = self.coverage.kinds.get(rec.kind, 0) + 1
-        if rec.kind == "unsupported":
+        self.coverage.kinds[rec.kind.value] = self.coverage.kinds.get(rec.kind.value, 0) + 1
+        if rec.kind is Kind.UNSUPPORTED:
             self.coverage.unsupported.setdefault(rec.op, rec.reason)
         for table, key in ((self.by_op, rec.op), (self.by_module, rec.module)):
             agg = table.get(key)
@@ -215,12 +128,31 @@ class Report:
         else:
             self.dropped_records += 1
 
+    # --- coverage: every counter is written here ---
+    def passed_through(self) -> None:
+        """A call with no tensor in or out (profiler markers...), passed through untouched."""
+        self.coverage.passthrough += 1
+
+    def internal_error(self, where: str, reason: str) -> None:
+        """A bug of shadow's, caught: counted, and its first reason kept under ``where`` (an op name)."""
+        self.coverage.internal_errors += 1
+        self.coverage.unsupported.setdefault(where, reason)
+
+    def unobserved_write(self, event: Event) -> None:
+        """A storage written behind shadow's back (resynced from the device)."""
+        self.coverage.unobserved_writes += 1
+        self.events.append(event)
+
+    def mirror_counts(self, adopted: int, reinterpreted: int) -> None:
+        """The mirror's own counts, at the end of a ``with`` block."""
+        self.coverage.tensors_adopted, self.coverage.reinterpreted = adopted, reinterpreted
+
     # --- queries ---
     def first_nonfinite(self) -> Record | None:
         """The first kept call where device and shadow disagree on NaN/Inf."""
         return next((r for r in self.records if r.nonfinite or (r.local is not None and r.local.nonfinite)), None)
 
-    def over_budget(self) -> list[Record]:
+    def records_over_budget(self) -> list[Record]:
         """Kept calls whose local error exceeds the op's error budget, worst first: kernels less accurate
         than the dtype allows (reduced-precision accumulation, TF32, approximate functions, bugs)."""
         return sorted((r for r in self.records if r.over_budget), key=lambda r: -r.budget.used)
@@ -262,7 +194,7 @@ class Report:
         for key, a in rows:
             lines.append(
                 f"{key or '(none)':<{name_w}}  {a.calls:>6}  {_fmt(a.max_local_ulp):>10}"
-                f"  {_fmt(a.max_budget_used) + (' !' if a.over_budget else ''):>8}"
+                f"  {_fmt(a.max_budget_used) + (' !' if a.over_budget_calls else ''):>8}"
                 f"  {'-' if math.isinf(a.min_effective_bits) else f'{a.min_effective_bits:.1f}':>5}"
                 f"  {_fmt(a.max_drift_rel):>10}"
                 f"  {a.flips:>6}  {a.nonfinite:>6}  {a.kinds.get('unsupported', 0):>5}"
@@ -295,16 +227,16 @@ class Report:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ReportFormatError(f"not a shadow report: expected format {FORMAT!r}, got {d.get('format')!r}"
                                     if isinstance(d, dict) else "not a shadow report: expected a JSON object")
-        if d.get("version") != VERSION:
+        if d.get("version") not in READS:
             raise ReportFormatError(
-                f"shadow report version {d.get('version')!r} cannot be read by this shadow (reads version {VERSION}); "
-                "load it with the shadow release that wrote it"
+                f"shadow report version {d.get('version')!r} cannot be read by this shadow (reads versions "
+                f"{', '.join(map(str, READS))}); load it with the shadow release that wrote it"
             )
         rep = cls(max_records=d["max_records"], meta=d["meta"])
         rep.dropped_records = d["dropped_records"]
         rep.records = [Record.from_dict(r) for r in d["records"]]
-        rep.by_op = {k: Aggregate(**_numbers(v)) for k, v in d["by_op"].items()}
-        rep.by_module = {k: Aggregate(**_numbers(v)) for k, v in d["by_module"].items()}
+        rep.by_op = {k: _aggregate(v) for k, v in d["by_op"].items()}
+        rep.by_module = {k: _aggregate(v) for k, v in d["by_module"].items()}
         rep.coverage = Coverage(**d["coverage"])
         rep.events = [Event(**e) for e in d["events"]]
         return rep
@@ -341,12 +273,11 @@ def _encode(x: Any) -> Any:
     return x
 
 
-def _number(x: Any) -> Any:
-    return float(x) if x in ("inf", "-inf", "nan") else x  # written by _encode
-
-
-def _numbers(d: dict) -> dict:
-    return {k: _number(v) for k, v in d.items()}
+def _aggregate(d: dict) -> Aggregate:
+    d = numbers(d)
+    if "over_budget" in d:  # version 3
+        d["over_budget_calls"] = d.pop("over_budget")
+    return Aggregate(**d)
 
 
 def merged(stats: Iterable[ErrorStats | None]) -> ErrorStats | None:

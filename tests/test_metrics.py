@@ -1,4 +1,4 @@
-"""The error units (DESIGN.md), golden values by hand, and agreement of the three comparison paths
+"""The error units (shadow.metrics), golden values by hand, and agreement of the three comparison paths
 (Python loop for tiny results, numpy for small ones, torch with scratch buffers for large ones)."""
 
 import math

@@ -1,4 +1,4 @@
-"""Conformance on PyTorch's OpInfo database (issue 2).
+"""Conformance on PyTorch's OpInfo database.
 
 Every ``op_db`` entry with float64 CPU support runs in four variants (op, in-place, ``out=``, backward),
 twice from the same sample and RNG seed: plainly and under ``ShadowMode``. Then:
@@ -39,7 +39,7 @@ DEFAULT_SAMPLES = 1
 SLOW_SAMPLES = 16  # every sample of every variant: ~25 min per dtype on 2 cores (max_pool2d alone has hundreds)
 
 # --- exclusions: why a float64 result may differ from its shadow, each with the evidence that shows it ---
-CAST = "explicit cast: the op rounds to {} inside; the float64 shadow does not (DESIGN.md: casts are findings)"
+CAST = "explicit cast: the op rounds to {} inside; the float64 shadow does not (casts are findings: README)"
 # evidence: a floating tensor of a lower precision than float64 appears in the plain run's op calls
 UNINITIALIZED = "reads uninitialized memory ({}): with fresh memory NaN-filled, the difference goes away"
 # evidence: the plain and the shadowed run again, with torch.utils.deterministic.fill_uninitialized_memory
@@ -498,7 +498,6 @@ def test_mode_sensitive_evidence():
 
 def test_sweep_detects_a_wrong_shadow(monkeypatch):
     """A replay that is off by one ulp fails the float64 check (the sweep can fail)."""
-    import shadow.engine as engine
     import shadow.replay as replay
 
     op = next(o for o in OPS if o.name == "exp")
@@ -510,6 +509,6 @@ def test_sweep_detects_a_wrong_shadow(monkeypatch):
             out = torch.nextafter(out, torch.full_like(out, math.inf))
         return kind, out
 
-    monkeypatch.setattr(engine, "rule_chain", lambda plan: (off_by_one_ulp,))
+    monkeypatch.setattr(replay.REPLAY, "chain", lambda func: (off_by_one_ulp,))
     oc = check_variant(op, "op", torch.float64, 1)
     assert any("not exact" in f for f in oc.failures) and any("shadow of result 0 differs" in f for f in oc.failures)

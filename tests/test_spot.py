@@ -1,4 +1,4 @@
-"""Spot checks (shadow/spot.py): verdicts where float64 is wrong, trusted ordinary ops, the sampling policy.
+"""Spot checks (shadow/spot): verdicts where float64 is wrong, trusted ordinary ops, the sampling policy.
 
 ``check`` is called directly, as the engine calls it: the op's float64 inputs, the device's outputs, the
 float64 reference's outputs and the device dtype.
@@ -17,9 +17,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shadow import spot
 from shadow.options import ShadowOptionError
-from shadow.spot import DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, SpotPolicy, SpotStats, sample_indices
+from shadow.references import estimate_cost_us
+from shadow.spot import (DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, SpotConfig, SpotPolicy, SpotStats,
+                         sample_indices)
 
 aten = torch.ops.aten
 f32, f64 = torch.float32, torch.float64
@@ -43,14 +44,14 @@ def as_list(v) -> list:
 
 def check(op, args, kwargs=None, *, device=None, reference=None, policy=None, dtype=f32, priority=None):
     """Spot-check ``op(*args)``: the device runs it on ``args`` (fp32 unless given), the float64 reference on
-    the upcast args; either result can be overridden. Returns (stats, policy) (``policy.last``: the samples)."""
+    the upcast args; either result can be overridden. Returns (stats, samples)."""
     kwargs = kwargs or {}
     policy = policy if policy is not None else SpotPolicy.from_option("default")
     a64, k64 = [up(a) for a in args], {k: up(v) for k, v in kwargs.items()}
     dev = as_list(op(*args, **kwargs) if device is None else device)
     ref = as_list(op(*[up(a) for a in a64], **{k: up(v) for k, v in k64.items()}) if reference is None else reference)
     policy.wants(str(op))
-    return policy.check(op, a64, k64, dev, ref, dtype, priority), policy
+    return policy.check(op, a64, k64, dev, ref, dtype, priority)
 
 
 # --- float64 wrong: flagged untrusted, the exact value recovered ---
@@ -58,10 +59,10 @@ def test_sum_cancelling_inside_a_reduction_is_untrusted():
     # fp32(1e16) = 10000000272564224 = 2**53 * 1.11: float64's spacing there is 2, so 1e16 + 1 is a tie that
     # rounds to even (...224) and the row sums to 0 in float64 as in float32; the exact sum is 1.
     x = torch.tensor([[1e16, 1.0, -1e16]] * 8)
-    s, pol = check(aten.sum.dim_IntList, (x, [1]))
+    s, samples = check(aten.sum.dim_IntList, (x, [1]))
     assert not s.trusted and s.checked
     assert s.samples == 8  # escalated (to 16 elements): every one of the 8 rows
-    for smp in pol.last:
+    for smp in samples:
         assert (smp.exact, smp.reference, smp.device) == (1.0, 0.0, 0.0)
         assert smp.ref_err_ulp == 2.0**52  # |0 - 1| / spacing_f64(1) = 1 / 2**-52
         assert smp.device_err_ulp == 2.0**23  # 1 / spacing_f32(1) = 1 / 2**-23
@@ -84,16 +85,16 @@ def test_variance_with_a_large_mean_two_ways():
     x64 = x.double()
     want = [exact_variance(row) for row in x64]
     # way 1: the float64 reference of aten.var (two-pass): trusted
-    s, pol = check(aten.var.correction, (x,), {"dim": [1]})
+    s, samples = check(aten.var.correction, (x,), {"dim": [1]})
     assert s.trusted and s.samples == 4  # cancellation ~1e12 escalates to all 4 rows
-    assert [smp.exact for smp in sorted(pol.last, key=lambda t: t.index)] == want
+    assert [smp.exact for smp in sorted(samples, key=lambda t: t.index)] == want
     assert s.max_cancellation > 1e11  # (sum x^2 / (n-1)) / var
     # way 2: the same op with a reference computed as E[x^2] - E[x]^2 (what a naive decomposition replays)
     naive = ((x64 * x64).mean(1) - x64.mean(1) ** 2) * (1000 / 999)
-    s2, pol2 = check(aten.var.correction, (x,), {"dim": [1]}, reference=naive)
+    s2, samples2 = check(aten.var.correction, (x,), {"dim": [1]}, reference=naive)
     assert not s2.trusted
     assert s2.ref_err_ulp > 1e6  # the naive reference is off around the 4th digit: ~1e11 float64 ulps
-    assert [smp.exact for smp in sorted(pol2.last, key=lambda t: t.index)] == want  # exact value recovered
+    assert [smp.exact for smp in sorted(samples2, key=lambda t: t.index)] == want  # exact value recovered
     # the device (CPU float32 var accumulates in double) is right to about half an fp32 ulp
     assert s2.device_err_ulp == s.device_err_ulp < 2
 
@@ -105,16 +106,16 @@ def test_log_of_one_plus_x_versus_log1p_for_tiny_x():
     s, _ = check(aten.log1p.default, (x,), policy=all_)
     assert s.trusted and s.samples == 4 and s.device_err_ulp <= 0.5
     # the reference computed as log(1 + x): 1 + 2**-60 rounds to 1 in float64, so log gives 0
-    s2, pol2 = check(aten.log1p.default, (x,), reference=torch.log(1 + x.double()), policy=SpotPolicy.from_option("all"))
+    s2, samples2 = check(aten.log1p.default, (x,), reference=torch.log(1 + x.double()), policy=SpotPolicy.from_option("all"))
     assert not s2.trusted and s2.samples == 4
-    first = next(smp for smp in pol2.last if smp.index == (0,))
+    first = next(smp for smp in samples2 if smp.index == (0,))
     # log1p(2**-60) = 2**-60 - 2**-121 + ...: in [2**-61, 2**-60) float64's spacing is 2**-113, and 2**-121 is
     # below half of it, so the exact value rounds to 2**-60 itself; the reference is 0
     assert (first.exact, first.reference) == (2.0**-60, 0.0)
     # its error in float64 ulps: (2**-60 - 2**-121 + ...) / 2**-113 = 2**53 - 2**-8 + ...
     assert first.ref_err_ulp == pytest.approx(2.0**53, rel=1e-15)
     # every x here is below 2**-40: 1 + x keeps at most 12 of x's 24 bits (an fp32 x >= 2**-29 would fit exactly)
-    assert all(not smp.trusted for smp in pol2.last)
+    assert all(not smp.trusted for smp in samples2)
 
 
 def test_dot_product_cancelling_to_1e12_of_its_magnitude():
@@ -130,8 +131,8 @@ def test_dot_product_cancelling_to_1e12_of_its_magnitude():
     ref = A.double() @ B.double()
     assert ref.item() != t  # float64 does not get it right (fixed seed: checked once, holds)
     # a device that accumulates exactly (or luckily) returns t: float64 is now the less accurate of the two
-    s, pol = check(aten.mm.default, (A, B), device=torch.tensor([[t]]))
-    (smp,) = pol.last
+    s, samples = check(aten.mm.default, (A, B), device=torch.tensor([[t]]))
+    (smp,) = samples
     assert not s.trusted and smp.exact == t and s.device_err_abs == 0.0
     assert s.max_cancellation == pytest.approx((mag + t) / t, rel=1e-6)  # ~1e12
     # a plain fp32 device errs ~1e-7 * magnitude, thousands of times float64's error: then float64 is trusted
@@ -168,9 +169,9 @@ ORDINARY = [
 
 @pytest.mark.parametrize("op, make, kwargs", ORDINARY, ids=[str(o[0]) for o in ORDINARY])
 def test_random_fp32_data_gives_trusted_verdicts(op, make, kwargs):
-    s, pol = check(op, make(), kwargs, policy=SpotPolicy.from_option(4))
+    s, samples = check(op, make(), kwargs, policy=SpotPolicy.from_option(4))
     assert s.checked and s.trusted, s
-    assert s.samples == len(pol.last) >= 1
+    assert s.samples == len(samples) >= 1
     # float64 stays far inside its 29 bits of headroom, and correct fp32 kernels are within a few ulps
     assert s.ref_err_ulp < 2.0**10 and s.device_err_ulp < 2.0**6
 
@@ -191,7 +192,7 @@ class _SpotHarness(TorchDispatchMode):
         ref = func(*tree_map(up, a64), **tree_map(up, k64))
         dev = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         refs = [t for t in tree_flatten(ref)[0] if isinstance(t, torch.Tensor)]
-        self.stats.append((str(func), self.policy.check(func, a64, k64, dev, refs, dev[0].dtype)))
+        self.stats.append((str(func), self.policy.check(func, a64, k64, dev, refs, dev[0].dtype)[0]))
         return out
 
 
@@ -254,9 +255,9 @@ def test_non_finite_values():
 
     # exact 0/0 = nan, matched by the reference; device inf where the exact value is 1/3: left out of the
     # device figures (counted apart by shadow.metrics), and any finite reference is within 1% of infinity
-    s, pol = check(aten.div.Tensor, (a, b), device=torch.tensor([math.nan, math.inf]), reference=ref, policy=all_())
+    s, samples = check(aten.div.Tensor, (a, b), device=torch.tensor([math.nan, math.inf]), reference=ref, policy=all_())
     assert s.trusted and s.samples == 2 and s.device_err_ulp == 0.0 and s.device_err_abs == 0.0
-    assert math.isnan(next(smp for smp in pol.last if smp.index == (0,)).exact)
+    assert math.isnan(next(smp for smp in samples if smp.index == (0,)).exact)
     # a reference that overflowed where the exact value is finite: untrusted, infinitely wrong
     s, _ = check(aten.div.Tensor, (a, b), reference=torch.tensor([math.nan, math.inf], dtype=f64), policy=all_())
     assert not s.trusted and s.ref_err_ulp == math.inf
@@ -264,11 +265,11 @@ def test_non_finite_values():
 
 def test_multi_output_ops_check_every_covered_output():
     x = _data(4, 16)
-    s, pol = check(aten.native_layer_norm.default, (x, [16], None, None, 1e-5), policy=SpotPolicy.from_option(2))
-    assert s.trusted and sorted({smp.output for smp in pol.last}) == [0, 1, 2]
+    s, samples = check(aten.native_layer_norm.default, (x, [16], None, None, 1e-5), policy=SpotPolicy.from_option(2))
+    assert s.trusted and sorted({smp.output for smp in samples}) == [0, 1, 2]
     assert s.samples == 6  # 2 per output
-    s, pol = check(aten.var_mean.correction, (x,), {"dim": [1]}, policy=SpotPolicy.from_option(1))
-    assert s.trusted and sorted(smp.output for smp in pol.last) == [0, 1]
+    s, samples = check(aten.var_mean.correction, (x,), {"dim": [1]}, policy=SpotPolicy.from_option(1))
+    assert s.trusted and sorted(smp.output for smp in samples) == [0, 1]
 
 
 def test_in_place_ops_read_the_inputs_from_before_the_call():
@@ -277,7 +278,7 @@ def test_in_place_ops_read_the_inputs_from_before_the_call():
     dev = x.add_(y)  # the device op: x now holds x + y
     pol = SpotPolicy.from_option(3)
     assert pol.wants("aten.add_.Tensor")
-    s = pol.check(aten.add_.Tensor, (before, y.double()), {}, [dev], [before + y.double()], f32)
+    s, _ = pol.check(aten.add_.Tensor, (before, y.double()), {}, [dev], [before + y.double()], f32)
     assert s.trusted and s.samples == 3 and s.device_err_ulp <= 0.5  # fp32 addition is correctly rounded
 
 
@@ -286,7 +287,7 @@ def test_ops_without_a_reference_are_reported_never_guessed():
     pol = SpotPolicy.from_option("default")
     assert not pol.wants("aten.index_add.default")  # nothing to snapshot
     x = torch.zeros(4, 3, dtype=f64)
-    s = pol.check(aten.index_add.default, (x, 0, torch.tensor([0, 2]), torch.ones(2, 3, dtype=f64)), {},
+    s, _ = pol.check(aten.index_add.default, (x, 0, torch.tensor([0, 2]), torch.ones(2, 3, dtype=f64)), {},
                   [torch.zeros(4, 3)], [x], f32)
     assert s == SpotStats(samples=0, reason="no mpmath reference for aten.index_add.default")
     assert s.trusted and not s.checked  # no evidence against the reference; samples == 0 says nothing was checked
@@ -312,12 +313,12 @@ def test_all_checks_every_element_of_small_outputs_only():
 # --- sampling: determinism, priority, escalation, budget ---
 def test_samples_are_deterministic_for_a_seed():
     def run(seed):
-        pol = SpotPolicy(seed=seed)
+        pol = SpotPolicy(SpotConfig(seed=seed))
         picks = []
         for i in range(3):
             for op, args in ((aten.exp.default, (_data(64, 64, seed=i),)), (aten.mm.default, (_data(32, 16), _data(16, 32)))):
-                check(op, args, policy=pol)
-                picks.append([(smp.output, smp.index) for smp in pol.last])
+                _, samples = check(op, args, policy=pol)
+                picks.append([(smp.output, smp.index) for smp in samples])
         return picks
 
     a, b, c = run(0), run(0), run(1)
@@ -330,9 +331,9 @@ def test_samples_are_deterministic_for_a_seed():
 def test_highest_priority_elements_are_checked_first():
     prio = torch.zeros(8, 8, dtype=f64)
     prio[5, 2], prio[1, 7] = 10.0, 5.0
-    _, pol = check(aten.mm.default, (_data(8, 4), _data(4, 8)), priority=[prio], policy=SpotPolicy.from_option(4))
-    assert [smp.index for smp in pol.last[:2]] == [(5, 2), (1, 7)]  # ceil(4/2) by priority, then 2 at random
-    assert len({smp.index for smp in pol.last}) == 4
+    _, samples = check(aten.mm.default, (_data(8, 4), _data(4, 8)), priority=[prio], policy=SpotPolicy.from_option(4))
+    assert [smp.index for smp in samples[:2]] == [(5, 2), (1, 7)]  # ceil(4/2) by priority, then 2 at random
+    assert len({smp.index for smp in samples}) == 4
     assert sample_indices(0, "op", 1, 0, 64, 3, prio)[:2] == [5 * 8 + 2, 1 * 8 + 7]
 
 
@@ -354,20 +355,20 @@ def test_a_cancelling_call_gets_more_samples_than_a_benign_one():
 def test_escalation_is_bounded_by_its_budget():
     cancelling = (torch.tensor([[1e16, 1.0, -1e16]] * 64), [1])
     # no budget: a risky call keeps its default samples
-    pol = SpotPolicy(escalation_budget_us=0.0, escalation_refill_us=0.0)
+    pol = SpotPolicy(SpotConfig(escalation_budget_us=0.0, escalation_refill_us=0.0))
     assert check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples == DEFAULT_SAMPLES
     # a budget for 10 extra elements (each estimated at 100 us + 3 terms * 0.04 us), earned 1 per call
-    cost = spot.estimate_cost_us(aten.sum.dim_IntList, (cancelling[0].double(), [1]), {}, 64)[0]
-    pol = SpotPolicy(escalation_budget_us=10 * cost, escalation_refill_us=0.0)
+    cost = estimate_cost_us(aten.sum.dim_IntList, (cancelling[0].double(), [1]), {}, 64)[0]
+    pol = SpotPolicy(SpotConfig(escalation_budget_us=10 * cost, escalation_refill_us=0.0))
     counts = [check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples for _ in range(3)]
     assert counts == [DEFAULT_SAMPLES + 10, DEFAULT_SAMPLES, DEFAULT_SAMPLES]
 
 
 def test_estimated_costs_follow_the_reduction_length():
-    mm = spot.estimate_cost_us(aten.mm.default, (torch.ones(4, 1024), torch.ones(1024, 4)), {}, 16)
-    sm = spot.estimate_cost_us(aten._softmax.default, (torch.ones(4, 128), -1, False), {}, 512)
-    ex = spot.estimate_cost_us(aten.exp.default, (torch.ones(4, 128),), {}, 512)
-    mean = spot.estimate_cost_us(aten.mean.default, (torch.ones(64, 64),), {}, 1)
+    mm = estimate_cost_us(aten.mm.default, (torch.ones(4, 1024), torch.ones(1024, 4)), {}, 16)
+    sm = estimate_cost_us(aten._softmax.default, (torch.ones(4, 128), -1, False), {}, 512)
+    ex = estimate_cost_us(aten.exp.default, (torch.ones(4, 128),), {}, 512)
+    mean = estimate_cost_us(aten.mean.default, (torch.ones(64, 64),), {}, 1)
     assert (mm[1], sm[1], ex[1], mean[1]) == (1024, 128, 1, 4096)
     assert ex[0] < mm[0] < sm[0]  # exact sums are cheap per term, mpmath exps are not
 
@@ -389,9 +390,9 @@ def test_estimated_costs_follow_the_reduction_length():
 )
 def test_valid_options(value, mode, counts):
     pol = SpotPolicy.from_option(value)
-    assert pol.mode == mode
+    assert pol.config.mode == mode
     for op, n in counts.items():
-        assert pol._count_for(op) == n
+        assert pol.config.count_for(op) == n
         assert pol.wants(op) == (n != 0)
     assert SpotPolicy.from_option(pol) is pol
 
@@ -426,7 +427,7 @@ def test_off_checks_nothing():
     pol = SpotPolicy.from_option("off")
     assert not pol.wants("aten.exp.default")
     assert pol.check(aten.exp.default, (torch.ones(2, dtype=f64),), {}, [torch.ones(2)], [torch.ones(2, dtype=f64)],
-                     f32) is None
+                     f32) == (None, [])
 
 
 # --- records ---

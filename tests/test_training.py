@@ -372,7 +372,7 @@ def test_low_precision_training_drift_scales_with_unit_roundoff(model_name):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_float64_device_has_zero_drift(model_name, opt_name, impl):
     """A float64 program's shadow is the program itself: every op's local error and drift are exactly 0.
-    (Casts would differ: DESIGN.md; these programs have none, and the test below has one.)"""
+    (Casts would differ: an explicit cast rounds, the float64 shadow does not; these programs have none, and the test below has one.)"""
     _skip_unsupported(opt_name, impl)
     model = build(model_name, dtype=torch.float64)
     opt = make_optimizer(opt_name, model.parameters(), impl)

@@ -85,9 +85,7 @@ class ShadowMode:
         finally:
             self._attr.__exit__(*exc)
             self._mode = None
-        m = self._engine.mirror
-        cov = self.report.coverage
-        cov.tensors_adopted, cov.reinterpreted = m.adopted, m.reinterpreted
+        self.report.mirror_counts(self._engine.mirror.adopted, self._engine.mirror.reinterpreted)
 
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:
         """The shadow value of any tensor seen: a float64 (complex128) CPU copy.

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .replay import Kind, Replay, register_rule
+from ..records import Kind
+from .table import Replay, register_rule
 
 aten = torch.ops.aten
 

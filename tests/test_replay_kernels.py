@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shadow.kernels import sdpa_backward_rule, sdpa_forward_rule
-from shadow.replay import Kind, Replay
+from shadow.replay.kernels import sdpa_backward_rule, sdpa_forward_rule
+from shadow.records import Kind
+from shadow.replay import Replay
 from shadow.plan import plan_of
 
 aten = torch.ops.aten

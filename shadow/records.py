@@ -1,0 +1,146 @@
+"""What shadow records of one op call: small typed objects that keep numbers, never tensors.
+
+>>> rec = Record(0, "aten.mm.default", "Net.fc", Phase.FORWARD, Kind.REPLAYED, dtype="torch.float32", shape=(4, 8))
+>>> rec.kind == "replayed", rec.over_budget
+(True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+from .metrics import ErrorStats
+from .spot import SpotStats
+
+
+class _Value(str, enum.Enum):
+    """A str Enum that prints and formats as its value ("forward"), as saved reports and tables show it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Kind(_Value):
+    """How an op call was handled; every call gets exactly one."""
+
+    REPLAYED = "replayed"  # recomputed in float64 by the op's own CPU kernel
+    DECOMPOSED = "decomposed"  # recomputed through its decomposition (no float64 CPU kernel)
+    VIEW = "view"  # an alias or metadata change: no value to recompute
+    META = "meta"  # computed on meta tensors (shapes only): no values exist
+    RANDOM = "random"  # random values adopted from the device, never replayed
+    ADOPTED = "adopted"  # uninitialized memory (empty*): the device's bytes adopted
+    UNSUPPORTED = "unsupported"  # could not be replayed: device result adopted, reason recorded
+
+
+class Phase(_Value):
+    """Which part of a training step an op call belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    OTHER = "other"  # outside any module, not in backward, not in an optimizer step
+
+
+@dataclasses.dataclass(slots=True)
+class BudgetInfo:
+    """The error budget a call's local error was held to (shadow.budgets): the rule family, how much of it
+    the local error used (max abs / bound; > 1 is over budget), and whether no rule knew the op."""
+
+    family: str
+    used: float
+    is_default: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class Record:
+    """One op call. ``local``: the device output against the op replayed in float64 on the device's own
+    inputs; ``drift``: against the shadow, computed from shadow inputs since the start."""
+
+    index: int
+    op: str
+    module: str
+    phase: Phase
+    kind: Kind
+    local: ErrorStats | None = None
+    drift: ErrorStats | None = None
+    flips: int = 0  # discrete outputs: elements where the device differs from the shadow
+    local_flips: int = 0  # ... from the replay on the device's own inputs
+    shape_mismatch: int = 0  # outputs whose shape differed from the shadow's (device adopted)
+    item: tuple[float, float] | None = None  # .item(): (device value, shadow value)
+    reason: str = ""  # why an op was not replayed
+    spot: SpotStats | None = None  # mpmath spot check of the float64 reference (None: not sampled)
+    budget: BudgetInfo | None = None  # the error budget of the local error (None: budgets off or no float result)
+    cpu_fallback: bool = False  # the backend ran this op through its CPU fallback (DirectML): CPU arithmetic
+    cpu: ErrorStats | None = None  # compare_cpu=True: the CPU kernel's own error, same dtype, same reference
+    dtype: str = ""  # the device result's dtype ("torch.bfloat16"; the first tensor result's; "" if none)
+    shape: tuple[int, ...] = ()  # ... and its shape
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """Device error / CPU error on the same inputs in the same dtype (max abs): ~1 means the device
+        kernel is as accurate as PyTorch's CPU kernel; >> 1, less accurate than the dtype allows in practice."""
+        if self.cpu is None or self.local is None:
+            return None
+        if self.cpu.max_abs == 0.0:
+            return 1.0 if self.local.max_abs == 0.0 else math.inf
+        return self.local.max_abs / self.cpu.max_abs
+
+    @property
+    def over_budget(self) -> bool:
+        """The verdict: the op's own error is above what a correct kernel in the device dtype may make.
+        Default budgets (a few ulps guessed for ops no rule knows) never make a call over budget: they are
+        no evidence."""
+        return self.budget is not None and not self.budget.is_default and self.budget.used > 1.0
+
+    @property
+    def nonfinite(self) -> int:
+        return self.drift.nonfinite if self.drift is not None else 0
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["kind"], d["phase"], d["shape"] = self.kind.value, self.phase.value, list(self.shape)
+        for name in ("local", "drift", "spot", "cpu"):
+            d[name] = getattr(self, name).to_dict() if getattr(self, name) is not None else None
+        d["budget"] = dataclasses.asdict(self.budget) if self.budget is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Record:
+        """Inverse of ``to_dict``; reads version-3 records too (no dtype and shape, budget "kind")."""
+        d = dict(d)
+        d["kind"], d["phase"], d["shape"] = Kind(d["kind"]), Phase(d["phase"]), tuple(d.get("shape", ()))
+        for name in ("local", "drift", "cpu"):
+            d[name] = ErrorStats(**numbers(d[name])) if d.get(name) is not None else None
+        if d.get("item") is not None:
+            d["item"] = tuple(number(v) for v in d["item"])
+        d["spot"] = SpotStats.from_dict(d["spot"]) if d.get("spot") is not None else None
+        if d.get("budget") is not None:
+            b = dict(d["budget"])
+            b["family"] = b.pop("kind", b.get("family"))  # version 3 called the family "kind"
+            d["budget"] = BudgetInfo(**{**b, "used": number(b["used"])})
+        return cls(**d)
+
+
+@dataclasses.dataclass(slots=True)
+class Event:
+    """Something that happened between ops (a write shadow did not see)."""
+
+    index: int  # the op call at which it was detected
+    op: str
+    kind: str
+    detail: str
+
+
+def number(x: Any) -> Any:
+    """A figure as saved: the strings "inf", "-inf", "nan" (JSON has no literal for them) back to floats."""
+    return float(x) if x in ("inf", "-inf", "nan") else x
+
+
+def numbers(d: dict) -> dict:
+    return {k: number(v) for k, v in d.items()}

@@ -1,0 +1,9 @@
+"""How each aten op is recomputed in float64: the rule table (``table``), the rules for views,
+uninitialized memory and randomness (``rules``), and fused device kernels with no float64 CPU kernel
+(``kernels``)."""
+
+from . import kernels, rules  # noqa: F401  (their rules register in the table)
+from .rules import EMPTY_OPS, view_rule
+from .table import REPLAY, Replay, default_rule, register_predicate, register_rule
+
+__all__ = ["REPLAY", "Replay", "register_rule", "register_predicate", "default_rule", "view_rule", "EMPTY_OPS"]

@@ -1,0 +1,69 @@
+"""The replay table: how an aten op is recomputed on float64 CPU shadows.
+
+A rule is a pure function of a ``Replay`` (the replay arguments, already float64 CPU shadows, and for
+random ops the device's outputs) and returns ``(Kind, outputs)``, or ``NotImplemented`` to fall through.
+Lookup (``shadow.rules.RuleTable``): the exact op, then predicates on its plan, then ``default_rule``:
+the op's own CPU kernel, else its decomposition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from ..errors import Unsupported
+from ..plan import OpPlan
+from ..records import Kind
+from ..rules import RuleTable
+
+
+@dataclasses.dataclass(slots=True)
+class Replay:
+    """A rule's normalized input."""
+
+    plan: OpPlan
+    args: list
+    kwargs: dict
+    device_out: Any  # the device's outputs, for rules that adopt a random part
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        return self.plan.arg(self.args, self.kwargs, name, default)
+
+
+ReplayRule = Callable[[Replay], Any]
+
+
+def _decomposition(func: torch._ops.OpOverload) -> Callable | None:
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(func)
+
+
+def default_rule(r: Replay) -> tuple[Kind, Any]:
+    """The op's own CPU kernel in float64, else its decomposition; ``Unsupported`` with both reasons."""
+    func = r.plan.func
+    try:
+        return Kind.REPLAYED, func(*r.args, **r.kwargs)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as exc:
+        first = exc
+    decomp = _decomposition(func)
+    try:
+        if decomp is not None:
+            return Kind.DECOMPOSED, decomp(*r.args, **r.kwargs)
+        out = func.decompose(*r.args, **r.kwargs)
+        if out is not NotImplemented:
+            return Kind.DECOMPOSED, out
+    except Exception as exc:  # the decomposition failed too: report both reasons
+        raise Unsupported(r.plan.name, f"{_short(first)}; decomposition: {_short(exc)}") from exc
+    raise Unsupported(r.plan.name, f"{_short(first)}; no decomposition")
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+REPLAY: RuleTable[ReplayRule] = RuleTable("replay", default=default_rule)
+register_rule = REPLAY.register
+register_predicate = REPLAY.register_predicate
