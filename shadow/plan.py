@@ -23,7 +23,7 @@ from . import _compat
 aten = torch.ops.aten
 
 
-class ArgKind(enum.Enum):
+class ArgType(enum.Enum):
     TENSOR = "Tensor"  # Tensor or Tensor?
     TENSORS = "Tensor[]"  # Tensor[] (foreach lists)
     OPT_TENSORS = "Tensor?[]"  # Tensor?[] (index, index_put)
@@ -34,7 +34,7 @@ class ArgKind(enum.Enum):
 class ArgSpec:
     index: int
     name: str
-    kind: ArgKind
+    type: ArgType
     write: bool
     kwarg_only: bool
 
@@ -68,10 +68,10 @@ for _name in ("cudnn_batch_norm", "miopen_batch_norm"):
 UNDECLARED_WRITES.update(_compat.UNDECLARED_WRITES)  # older torch: rrelu_with_noise's noise (torch 2.4)
 
 _TENSOR_TYPES = {
-    "Tensor": ArgKind.TENSOR,
-    "Optional[Tensor]": ArgKind.TENSOR,
-    "List[Tensor]": ArgKind.TENSORS,
-    "List[Optional[Tensor]]": ArgKind.OPT_TENSORS,
+    "Tensor": ArgType.TENSOR,
+    "Optional[Tensor]": ArgType.TENSOR,
+    "List[Tensor]": ArgType.TENSORS,
+    "List[Optional[Tensor]]": ArgType.OPT_TENSORS,
 }
 # dtype arguments are typed int in the schema, devices Device: candidates, checked by value at run time.
 _REMAP_TYPES = {"int", "Optional[int]", "Device", "Optional[Device]"}
@@ -149,7 +149,7 @@ class OpPlan:
             v = spec.get(args, kwargs)
             if v is None:
                 continue
-            if spec.kind is ArgKind.TENSOR:
+            if spec.type is ArgType.TENSOR:
                 spec.put(args, kwargs, fn(v, spec) if isinstance(v, torch.Tensor) else v)
             else:
                 spec.put(args, kwargs, [fn(t, spec) if isinstance(t, torch.Tensor) else t for t in v])
@@ -165,20 +165,20 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
     for i, a in enumerate(schema.arguments):
         type_name = str(a.type)
         write = bool(a.alias_info is not None and a.alias_info.is_write) or i in undeclared
-        kind = _TENSOR_TYPES.get(type_name)
-        if kind is not None:
-            tensor_args.append(ArgSpec(i, a.name, kind, write, a.kwarg_only))
+        arg_type = _TENSOR_TYPES.get(type_name)
+        if arg_type is not None:
+            tensor_args.append(ArgSpec(i, a.name, arg_type, write, a.kwarg_only))
         elif type_name in _REMAP_TYPES or a.name in ("pin_memory", "half_to_float"):
-            remap_args.append(ArgSpec(i, a.name, ArgKind.REMAP, False, a.kwarg_only))
+            remap_args.append(ArgSpec(i, a.name, ArgType.REMAP, False, a.kwarg_only))
     returns = []
     for r in schema.returns:
         type_name = str(r.type)
-        kind = _TENSOR_TYPES.get(type_name)
+        arg_type = _TENSOR_TYPES.get(type_name)
         alias = r.alias_info
         returns.append(
             ReturnSpec(
-                tensors=kind is ArgKind.TENSORS,
-                is_tensor=kind is not None,
+                tensors=arg_type is ArgType.TENSORS,
+                is_tensor=arg_type is not None,
                 aliases_write=bool(alias is not None and alias.is_write),
                 aliases_read=bool(alias is not None and not alias.is_write),
             )

@@ -36,9 +36,12 @@ class Aggregate:
     min_effective_bits: float = math.inf  # the fewest mantissa bits a call's local error reads (inf: all exact)
     spot_checked: int = 0  # calls whose float64 reference was spot-checked with mpmath
     spot_untrusted: int = 0  # ... and found less accurate than the device error needs
+    dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # calls by result dtype ("torch.bfloat16")
 
     def add(self, rec: Record) -> None:
         self.calls += 1
+        if rec.dtype:
+            self.dtypes[rec.dtype] = self.dtypes.get(rec.dtype, 0) + 1
         self.kinds[rec.kind.value] = self.kinds.get(rec.kind.value, 0) + 1
         if rec.local is not None:
             self.max_local_ulp = max(self.max_local_ulp, rec.local.max_ulp)
@@ -174,12 +177,14 @@ class Report:
         ]
 
     def table(self, by: str = "op", top: int | None = None) -> str:
-        """A text table of the aggregates, worst local error first.
+        """A text table of the aggregates, sorted by the worst budget used, then the worst local ulp, then the
+        worst drift.
 
-        columns: calls, max local ulp, max budget used (``!``: some call over budget), the fewest effective
-        bits of a call (``-``: exact or no budget; a long TF32 matmul within its worst-case budget still
-        reads ~10 here), max drift rel_norm, flips, non-finite, unsupported calls, calls whose float64
-        reference a spot check found untrustworthy (``!`` marks rows with any)."""
+        columns: calls, the result dtypes (only when the run mixes floating dtypes, as under autocast), max
+        local ulp, max budget used (``!``: some call over budget), the fewest effective bits of a call (``-``:
+        exact or no budget; a long TF32 matmul within its worst-case budget still reads ~10 here), max drift
+        rel_norm, flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
+        untrustworthy (``!`` marks rows with any)."""
         tables = {"op": self.by_op, "module": self.by_module}
         if by not in tables:
             raise ValueError(f"table(by={by!r}): expected one of {sorted(tables)}")
@@ -188,12 +193,16 @@ class Report:
         if top is not None:
             rows = rows[:top]
         name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
-        head = (f"{by:<{name_w}}  {'calls':>6}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}  {'drift rel':>10}"
+        mixed = len({d for a in tables[by].values() for d in a.dtypes if _floating(d)}) > 1
+        dtypes = {key: "/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-" for key, a in rows}
+        dtype_w = max([5] + [len(v) for v in dtypes.values()]) if mixed else 0
+        dtype_col = (lambda text: f"  {text:<{dtype_w}}") if mixed else (lambda text: "")
+        head = (f"{by:<{name_w}}  {'calls':>6}{dtype_col('dtype')}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}  {'drift rel':>10}"
                 f"  {'flips':>6}  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
         lines = [head, "-" * len(head)]
         for key, a in rows:
             lines.append(
-                f"{key or '(none)':<{name_w}}  {a.calls:>6}  {_fmt(a.max_local_ulp):>10}"
+                f"{key or '(none)':<{name_w}}  {a.calls:>6}{dtype_col(dtypes[key])}  {_fmt(a.max_local_ulp):>10}"
                 f"  {_fmt(a.max_budget_used) + (' !' if a.over_budget_calls else ''):>8}"
                 f"  {'-' if math.isinf(a.min_effective_bits) else f'{a.min_effective_bits:.1f}':>5}"
                 f"  {_fmt(a.max_drift_rel):>10}"
@@ -271,6 +280,14 @@ def _encode(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_encode(v) for v in x]
     return x
+
+
+def _floating(dtype: str) -> bool:
+    return "float" in dtype or "complex" in dtype
+
+
+def _short_dtype(dtype: str) -> str:
+    return dtype.replace("torch.", "")
 
 
 def _aggregate(d: dict) -> Aggregate:

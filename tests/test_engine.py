@@ -1,6 +1,7 @@
 """The engine's contracts, one trap of mirroring PyTorch per test: aliasing, mutation, randomness, discrete results,
 non-finite values, unsupported ops, unobserved writes, options and the saved report."""
 
+import json
 import math
 
 import pytest
@@ -444,3 +445,48 @@ def test_budget_reads_an_input_its_out_buffer_overwrites_as_it_was():
                           torch.float32)
     rec = sm.report.records[0]
     assert rec.budget.used == compare(x, sm.shadow_of(x), torch.float32, expected.bound[0]).budget_used > 0
+
+
+# --- records say what ran ---
+def test_records_carry_the_result_dtype_and_shape_and_the_table_shows_mixed_dtypes():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    with ShadowMode() as sm:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        z = y.float().softmax(-1)
+    (mm,) = records(sm, "aten.addmm.default")
+    (soft,) = records(sm, "aten._softmax.default")
+    assert (mm.dtype, mm.shape, soft.dtype, soft.shape) == ("torch.bfloat16", (3, 4), "torch.float32", (3, 4))
+    assert str(mm.phase) == "forward" and mm.kind is shadow.Kind.REPLAYED
+    head = sm.report.table().splitlines()[0].split()
+    assert head[:3] == ["op", "calls", "dtype"]
+    row = next(line.split() for line in sm.report.table().splitlines() if line.startswith("aten._to_copy"))
+    assert row[2] == "bfloat16/float32"  # the casts into and out of autocast
+    with ShadowMode() as sm1:
+        torch.randn(4) * 2.0
+    assert "dtype" not in sm1.report.table().splitlines()[0]  # one dtype: no column
+
+
+def test_reports_of_format_version_3_still_load(tmp_path):
+    with ShadowMode() as sm:
+        torch.randn(8, 8) @ torch.randn(8, 8)
+    d = sm.report.to_dict()
+    rec = d["records"][-1]
+    assert rec["dtype"] == "torch.float32" and rec["budget"]["family"] == "matmul"
+    # version 3: no dtype and shape, the budget family under "kind", over_budget_calls as "over_budget"
+    d["version"] = 3
+    for r in d["records"]:
+        del r["dtype"], r["shape"]
+        if r["budget"] is not None:
+            r["budget"]["kind"] = r["budget"].pop("family")
+    for table in (d["by_op"], d["by_module"]):
+        for agg in table.values():
+            agg["over_budget"] = agg.pop("over_budget_calls")
+            del agg["dtypes"]
+    path = tmp_path / "v3.json"
+    path.write_text(json.dumps(d))
+    back = shadow.load_report(path)
+    assert back.records[-1].budget.family == "matmul" and back.records[-1].budget.used == sm.report.records[-1].budget.used
+    assert back.records[-1].dtype == "" and back.by_op["aten.mm.default"].over_budget_calls == 0

@@ -28,16 +28,16 @@ class NoOptions:
     """The options of a device that takes none."""
 
 
-def register(kind: str, table: RuleTable[Rule], options: type = NoOptions) -> Callable[[type[E]], type[E]]:
-    """Class decorator: the Emulation subclass is the device ``kind``, computing the ops ``table`` claims.
+def register(name: str, table: RuleTable[Rule], options: type = NoOptions) -> Callable[[type[E]], type[E]]:
+    """Class decorator: the Emulation subclass is the device ``name``, computing the ops ``table`` claims.
     ``options`` is a frozen dataclass: its fields are the device's options, its ``__post_init__`` checks
     their values."""
 
     def deco(mode: type[E]) -> type[E]:
-        if kind in EMULATIONS:
-            raise ValueError(f"an emulation called {kind!r} is already registered ({EMULATIONS[kind].__name__})")
-        mode.kind, mode.table, mode.Options = kind, table, options
-        EMULATIONS[kind] = mode
+        if name in EMULATIONS:
+            raise ValueError(f"an emulation called {name!r} is already registered ({EMULATIONS[name].__name__})")
+        mode.name, mode.table, mode.Options = name, table, options
+        EMULATIONS[name] = mode
         return mode
 
     return deco
@@ -51,31 +51,31 @@ class Emulation(TorchDispatchMode):
     ...     y = a @ b
     """
 
-    kind: ClassVar[str]  # set on each device's class by @register
+    name: ClassVar[str]  # set on each device's class by @register
     table: ClassVar[RuleTable[Rule]]
     Options: ClassVar[type]
 
-    def __init__(self, kind: str, **options: Any):
+    def __init__(self, name: str, **options: Any):
         super().__init__()
-        device = EMULATIONS.get(kind)
+        device = EMULATIONS.get(name)
         if device is None:
-            raise ShadowOptionError(f"Emulation({kind!r}): expected one of {sorted(EMULATIONS)}")
+            raise ShadowOptionError(f"Emulation({name!r}): expected one of {sorted(EMULATIONS)}")
         fields = [f.name for f in dataclasses.fields(device.Options)]
         unknown = set(options) - set(fields)
         if unknown:
-            raise TypeError(f"emulation {kind!r} takes options {fields or 'none'}, got {sorted(unknown)}")
-        self.kind = kind
+            raise TypeError(f"emulation {name!r} takes options {fields or 'none'}, got {sorted(unknown)}")
+        self.name = name
         self.table = device.table
         self.options = device.Options(**options)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.kind!r}, {self.options})"
+        return f"{type(self).__name__}({self.name!r}, {self.options})"
 
     def __enter__(self):
         from ..shadow import _ShadowDispatch
 
         if any(isinstance(m, _ShadowDispatch) for m in _get_current_dispatch_mode_stack()):
-            built = f"emulate({self.kind!r})" if type(self) is Emulation else f"{type(self).__name__}()"
+            built = f"emulate({self.name!r})" if type(self) is Emulation else f"{type(self).__name__}()"
             raise EmulationOrderError(built)
         return super().__enter__()
 

@@ -32,4 +32,4 @@ class BF16Mode(Emulation):
     """
 
     def __init__(self):
-        super().__init__(self.kind)
+        super().__init__(self.name)

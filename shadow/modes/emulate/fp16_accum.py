@@ -173,4 +173,4 @@ class FP16AccumMode(Emulation):
     """
 
     def __init__(self, *, block: int = 1):  # terms summed in float32 before each float16 rounding
-        super().__init__(self.kind, block=block)
+        super().__init__(self.name, block=block)

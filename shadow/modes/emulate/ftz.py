@@ -24,4 +24,4 @@ class FTZMode(Emulation):
     """
 
     def __init__(self):
-        super().__init__(self.kind)
+        super().__init__(self.name)

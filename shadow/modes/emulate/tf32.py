@@ -82,4 +82,4 @@ class TF32Mode(Emulation):
     """
 
     def __init__(self, *, rounding: str = "rne"):  # "rne" (cuBLAS), "rna" (CUTLASS, cvt.rna), "rz" (raw mma)
-        super().__init__(self.kind, rounding=rounding)
+        super().__init__(self.name, rounding=rounding)
