@@ -76,7 +76,7 @@ class RuleTable(Generic[R]):
                 elif isinstance(op, OpOverloadPacket) and self._covers is not None:
                     table = self._families
                 else:
-                    wanted = "OpOverloads (aten.mm.default) or packets (aten.exp)" if self._covers is not None \
+                    wanted = "OpOverloads or packets (aten.mm.default, aten.exp)" if self._covers is not None \
                         else "OpOverloads such as aten.mm.default"
                     raise TypeError(f"{self.name} rules are registered for {wanted}, got {op!r}")
                 if op in table:
