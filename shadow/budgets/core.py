@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import torch
 
-from .metrics import precision_bits, spacing
+from ..metrics import precision_bits, spacing
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
