@@ -1,0 +1,409 @@
+"""Linear algebra budgets: Higham's gamma_K(ua) * (|A| @ |B|) for matmuls (Thm 3.5, any order, FMA or not),
+gamma_K(ua) * (|x| conv |w|) for convolutions and their backward, the outer products, cdist, cross, a
+normwise bound for FFTs, and no a-priori bound (inf) for solves and factorizations, whose error a correct
+implementation makes depends on the inputs' conditioning.
+
+>>> from shadow.budgets import budget_for
+>>> A = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]], dtype=torch.float64)
+>>> b = budget_for(torch.ops.aten.mm.default, (A, A.T), {}, [A @ A.T], torch.float32)
+>>> b.family, b.of_sum
+('matmul', True)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..opsets import CONVOLUTIONS, MATMULS, Matmul
+from ..plan import OpPlan
+from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, aten, coefficient, gamma, is_float, overloads,
+                   reduced_dims, register_budget, register_budget_predicate, sumsq)
+from .elementwise import ULPS
+
+
+# --- matmul family: gamma_K(ua) * (|A| @ |B|) (Higham Thm 3.5, any order, FMA or not) ---
+# |A| @ |B| costs another matmul, as much as the float64 replay. Above this many multiply-adds the bound
+# uses Cauchy-Schwarz instead: (|A||B|)_ij <= ||a_i||_2 ||b_j||_2, O(MK + KN + MN) work, looser by ~pi/2 on
+# random data (sum|a||b| ~ (2/pi) K vs ||a|| ||b|| ~ K for Gaussian entries), more when the mass of a_i
+# and b_j sits on different k (sparse or one-hot rows).
+EXACT_MAGNITUDE_MACS = 1 << 16
+
+
+def _sq_sum(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """sum of |t|**2 along dim, by the faster way for t's layout: vector_norm reduces a unit-stride dim
+    several times faster than square + sum, and a strided one several times slower (weights seen
+    transposed, W.T, are the rule in backward)."""
+    if t.dim() and t.stride(dim) == 1 and not t.is_complex():
+        return torch.linalg.vector_norm(t, dim=dim, keepdim=keepdim).square_()
+    return t.abs().square_().sum(dim, keepdim=keepdim) if t.is_complex() else t.square().sum(dim, keepdim=keepdim)
+
+
+def _mm_magnitude(A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, base: Any = 0.0) -> torch.Tensor:
+    """base + scale * (an upper bound of |A| @ |B|), batched on leading dims: exact when small,
+    Cauchy-Schwarz else (one fused pass over the M x N result)."""
+    if A.numel() and B.numel() and A.numel() * B.shape[-1] <= EXACT_MAGNITUDE_MACS:
+        return torch.add(base, A.abs() @ B.abs(), alpha=scale)
+    na = _sq_sum(A, -1, keepdim=True).sqrt_().mul_(scale)
+    nb = _sq_sum(B, -2, keepdim=True).sqrt_()
+    return torch.addcmul(torch.as_tensor(base, dtype=torch.float64), na, nb)
+
+
+def _mm_scale_sq(A: torch.Tensor, B: torch.Tensor) -> float:
+    """Two roundings (one per operand) of every product a_ik b_kj: 2 sum_k (sum_i a_ik^2)(sum_j b_kj^2)."""
+    ca = _sq_sum(A, -2)  # [..., K]
+    rb = _sq_sum(B, -1)  # [..., K]
+    return 2.0 * float(torch.linalg.vecdot(ca, rb).sum())
+
+
+def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: Any, beta: Any, alpha: Any) -> Budget:
+    r = c.out()
+    beta, alpha = coefficient(beta), coefficient(alpha)
+    use_bias = isinstance(bias, torch.Tensor) and beta != 0
+
+    def make():
+        g = gamma(K + (2 if use_bias or alpha != 1 else 0), c.ua)
+        base = torch.full((), c.floor(), dtype=torch.float64)
+        # beta and alpha may be rounded to the device dtype (bf16 addmm does): one u each where they scale
+        if use_bias:
+            base = base + ((g + (2 * c.u if beta != 1 else 0)) * abs(beta)) * bias.abs()
+        out = _mm_magnitude(A, B, (g + (2 * c.u if alpha != 1 else 0)) * abs(alpha), base)
+        out = out.reshape(r.shape) if out.numel() == r.numel() else out.expand(r.shape)
+        return [c.out_rounding(r, out)]
+
+    def scale_sq():
+        s, r_sq = _mm_scale_sq(A, B) * abs(alpha) ** 2, sumsq(r)
+        acc = accumulation_sq(K, s / 2, r_sq)
+        if use_bias:
+            # a broadcast repeats every element of bias equally often
+            s += sumsq(bias) * (r.numel() / max(bias.numel(), 1)) * abs(beta) ** 2
+        return s + c.out_rounding_sq(r_sq), acc
+
+    return c.budget("matmul", make, scale_sq)
+
+
+# inner (a dot for 1-D operands) is not among opsets.MATMULS
+_FACTORS = {**MATMULS, "inner": Matmul("self", "other")}
+
+
+def _factors(c: BudgetCall) -> tuple[Any, Any, Any]:
+    """(a, b, bias) of a matmul-like call (bias None where the op has none)."""
+    m = _FACTORS[c.plan.base]
+    return c.a[m.a], c.a[m.b], c.a[m.bias] if m.bias is not None else None
+
+
+@register_budget(*overloads("mm", "bmm", "matmul", "addmm", "baddbmm"))
+def mm_budget(c: BudgetCall) -> Budget:
+    """beta * bias + alpha * (A @ B), batched on leading dims."""
+    A, B, bias = _factors(c)
+    if A.dim() < 2 or B.dim() < 2:
+        return NotImplemented
+    return _addmm_like(c, A, B, A.shape[-1], bias, c.a.get("beta"), c.a.get("alpha"))
+
+
+@register_budget(*overloads("_addmm_activation"))
+def addmm_activation_budget(c: BudgetCall) -> Budget:
+    """relu (1-Lipschitz) or gelu (Lipschitz 1.13) after addmm, plus the activation's own ulps."""
+    A, B, bias = _factors(c)
+    b = _addmm_like(c, A, B, A.shape[-1], bias, c.a.get("beta"), c.a.get("alpha"))
+    r = c.out()
+    return c.budget("matmul", lambda: [1.13 * b.bound[0] + c.ulp_bound(r, ULPS["transcendental"])],
+                    b.scales)
+
+
+@register_budget(*overloads("addbmm"))
+def addbmm_budget(c: BudgetCall) -> Budget:
+    """beta*C + alpha*sum_b A_b @ B_b: one inner product of length batch*K."""
+    A, B, bias = _factors(c)
+    Af = A.permute(1, 0, 2).reshape(A.shape[1], -1)  # [M, batch*K]
+    Bf = B.reshape(-1, B.shape[-1])  # [batch*K, N]
+    return _addmm_like(c, Af, Bf, Af.shape[-1], bias, c.a.get("beta"), c.a.get("alpha"))
+
+
+@register_budget(*overloads("mv", "addmv"))
+def mv_budget(c: BudgetCall) -> Budget:
+    A, v, bias = _factors(c)
+    return _addmm_like(c, A, v.unsqueeze(-1), A.shape[-1], None if bias is None else bias.reshape(-1, 1),
+                       c.a.get("beta"), c.a.get("alpha"))
+
+
+@register_budget(*overloads("dot", "vdot", "inner"))
+def dot_budget(c: BudgetCall) -> Budget:
+    a, b, _ = _factors(c)
+    if a.dim() != 1:
+        return NotImplemented
+    r = c.out()
+    n = a.shape[0]
+
+    def scale_sq():
+        terms, r_sq = float((a.abs() * b.abs()).square().sum()), sumsq(r)
+        return 2.0 * terms + c.out_rounding_sq(r_sq), accumulation_sq(n, terms, r_sq)
+
+    return c.budget("matmul", lambda: [torch.add(c.final(r), (a.abs() * b.abs()).sum(), alpha=gamma(n, c.ua))],
+                    scale_sq)
+
+
+@register_budget(*overloads("addr", "outer", "ger"))
+def addr_budget(c: BudgetCall) -> Budget:
+    """beta*C + alpha*v1 v2^T: products and one add per element, intermediates possibly in the device dtype."""
+    v1, v2 = c.a.get("vec1", c.a.get("self")), c.a.get("vec2")
+    r = c.out()
+    bias = c.a["self"] if "vec1" in c.a else None
+    beta, alpha = coefficient(c.a.get("beta")), coefficient(c.a.get("alpha"))
+
+    def make():
+        t = abs(alpha) * torch.outer(v1.abs(), v2.abs())
+        if bias is not None and beta != 0:
+            t = t + abs(beta) * bias.abs()
+        return [c.final(r, 2.0) + 3 * c.u * t]
+
+    return c.budget("matmul", make)
+
+
+# --- convolution: gamma_K(ua) * (|x| conv |w|), K = C_in/groups * prod(kernel) ---
+def _conv_args(a: dict) -> tuple:
+    return a["stride"], a["padding"], a["dilation"], a["transposed"], a["output_padding"], a["groups"]
+
+
+def _conv_K(w: torch.Tensor, transposed: bool, groups: int) -> int:
+    k = math.prod(w.shape[2:])
+    return (w.shape[0] // groups if transposed else w.shape[1]) * k
+
+
+def _conv_magnitude(x: torch.Tensor, w: torch.Tensor, a: dict, scale: float = 1.0) -> torch.Tensor:
+    """scale * an upper bound of |x| conv |w|: exact when small; else Cauchy-Schwarz per output: the norm
+    of the input window times the norm of the output channel's filter. Window norms: x**2 summed over each
+    group's channels, then a ones kernel (one channel in, one out, per group): ~1/(C_in C_out) of the op's
+    work; the result is one fused pass over the output."""
+    stride, padding, dilation, transposed, output_padding, groups = _conv_args(a)
+    macs = x.shape[0] * _conv_K(w, transposed, groups) * (w.shape[1] * groups if transposed else w.shape[0])
+    conv = functools.partial(aten.convolution.default, stride=stride, padding=padding, dilation=dilation,
+                             transposed=transposed, output_padding=output_padding, groups=groups)
+    if macs * 64 <= EXACT_MAGNITUDE_MACS:  # tiny: the exact magnitude costs less than the bookkeeping
+        return conv(x.abs(), w.abs(), None) * scale
+    ks = w.shape[2:]
+    if transposed:
+        c_out = w.shape[1] * groups
+        wn = w.abs().square().reshape(groups, w.shape[0] // groups, w.shape[1], -1).sum((1, 3))  # [g, C_out/g]
+    else:
+        c_out = w.shape[0]
+        wn = w.abs().square().reshape(groups, c_out // groups, -1).sum(-1)  # [g, C_out/g]
+    N, c_in = x.shape[0], x.shape[1]
+    xs = x.abs().square().reshape(N, groups, c_in // groups, *x.shape[2:]).sum(2)  # [N, g, *in]
+    xn = conv(xs, torch.ones((groups, 1, *ks), dtype=torch.float64), None).sqrt_()  # [N, g, *out]
+    spatial = xn.shape[2:]
+    xn = xn.reshape(N, groups, 1, *spatial)
+    wn = (wn.sqrt() * scale).reshape(1, groups, c_out // groups, *([1] * len(spatial)))
+    return (xn * wn).reshape(N, c_out, *spatial)
+
+
+@register_budget(*overloads(*CONVOLUTIONS))
+def conv_budget(c: BudgetCall) -> Budget:
+    m = CONVOLUTIONS[c.plan.base]
+    x, w, bias = c.a[m.a], c.a[m.b], c.a[m.bias]
+    if not isinstance(w, torch.Tensor) or w.dim() < 3:
+        return NotImplemented
+    transposed, groups = c.a["transposed"], c.a["groups"]
+    K = _conv_K(w, transposed, groups)
+    r = c.out()
+
+    def make():
+        g = gamma(K + (1 if bias is not None else 0), c.ua)
+        b = _conv_magnitude(x, w, c.a, g)
+        extra = c.floor() + (g * bias.abs().reshape(1, -1, *([1] * (b.dim() - 2))) if bias is not None else 0.0)
+        return [c.out_rounding(r, b.add_(extra))]
+
+    def scale_sq():
+        # sum over outputs of sum over terms of x^2 w^2, by linearity: conv(sum_n x^2, sum_co w^2)
+        a = c.a
+        x2 = x.abs().square().sum(0, keepdim=True)
+        if transposed:
+            w2 = w.abs().square().sum(1, keepdim=True)  # [C_in, 1, *k]
+        else:
+            w2 = w.abs().square().reshape(groups, w.shape[0] // groups, *w.shape[1:]).sum(1)  # [g, C_in/g, *k]
+        s = aten.convolution.default(x2, w2, None, a["stride"], a["padding"], a["dilation"], transposed,
+                                     a["output_padding"], groups)
+        terms, r_sq = float(s.sum()), sumsq(r)
+        return 2.0 * terms + c.out_rounding_sq(r_sq) + (
+            sumsq(torch.broadcast_to(bias.reshape(1, -1, *([1] * (r.dim() - 2))), r.shape)) if bias is not None
+            else 0.0), accumulation_sq(K, terms, r_sq)
+
+    return c.budget("conv", make, scale_sq)
+
+
+@register_budget(*overloads("convolution_backward"))
+def conv_backward_budget(c: BudgetCall) -> Budget:
+    """(grad_input, grad_weight, grad_bias), each an inner product bounded as the forward:
+    grad_input: K = C_out/groups * prod(kernel) terms, magnitude <= ||grad_output window|| * ||w[:, ci]||
+    (window norms by the op itself on grad_output**2 with a ones kernel, one channel per group);
+    grad_weight: N * (spatial size) terms, magnitude <= ||grad_output[:, co]|| * ||input[:, ci]|| (whole
+    channels: looser than the windows, O(N C HW) work); grad_bias: a sum, gamma_n * sum|grad_output|.
+    Exact magnitudes (the op on |arguments|, as much work as the replay) when tiny."""
+    a = c.a
+    gy, x, w = a["grad_output"], a["input"], a["weight"]
+    if w.dim() < 3:
+        return NotImplemented
+    transposed, groups = a["transposed"], a["groups"]
+    ks = w.shape[2:]
+    c_out = w.shape[1] * groups if transposed else w.shape[0]
+    c_in = x.shape[1]
+    K_in = (c_out // groups) * math.prod(ks)
+    N = x.shape[0]
+    K_w = N * max(math.prod(x.shape[2:]), math.prod(gy.shape[2:]))
+    K_b = N * math.prod(gy.shape[2:])
+    outs = c.outputs
+    args = (a["bias_sizes"], a["stride"], a["padding"], a["dilation"], transposed, a["output_padding"], groups)
+
+    def make():
+        small = N * c_out * math.prod(gy.shape[2:]) * K_in * 64 <= EXACT_MAGNITUDE_MACS
+        if small:
+            mi, mw, mb = aten.convolution_backward.default(gy.abs(), x.abs(), w.abs(), *args, [True, True, True])
+        else:
+            mi = mw = mb = None
+            if is_float(outs[0]):
+                ones = torch.ones((groups, c_out // groups, *ks) if transposed else (c_out, 1, *ks),
+                                  dtype=torch.float64)
+                dummy = torch.zeros((N, groups, *x.shape[2:]), dtype=torch.float64)
+                win = aten.convolution_backward.default(gy.abs().square(), dummy, ones, None, *args[1:],
+                                                        [True, False, False])[0].sqrt()  # [N, g, *in]
+                if transposed:
+                    wn = w.abs().square().sum(tuple(range(1, w.dim())))  # [C_in]
+                else:
+                    wn = w.abs().square().reshape(groups, c_out // groups, c_in // groups, -1).sum((1, 3)).reshape(-1)
+                sp = x.shape[2:]
+                mi = (win.reshape(N, groups, 1, *sp) *
+                      wn.sqrt().reshape(1, groups, c_in // groups, *([1] * len(sp)))).reshape(x.shape)
+            if is_float(outs[1]):
+                gn = torch.linalg.vector_norm(gy.transpose(0, 1).reshape(c_out, -1), dim=1)  # [C_out]
+                xn = torch.linalg.vector_norm(x.transpose(0, 1).reshape(c_in, -1), dim=1)  # [C_in]
+                if transposed:  # w [C_in, C_out/g, *k]
+                    mw = xn.reshape(groups, c_in // groups, 1) * gn.reshape(groups, 1, c_out // groups)
+                    mw = mw.reshape(c_in, c_out // groups)
+                else:  # w [C_out, C_in/g, *k]
+                    mw = gn.reshape(groups, c_out // groups, 1) * xn.reshape(groups, 1, c_in // groups)
+                    mw = mw.reshape(c_out, c_in // groups)
+                mw = mw.reshape(*mw.shape, *([1] * len(ks))).expand(w.shape)
+            if is_float(outs[2]):
+                mb = gy.abs().sum([d for d in range(gy.dim()) if d != 1])
+        bounds = []
+        for m, K, r in ((mi, K_in, outs[0]), (mw, K_w, outs[1]), (mb, K_b, outs[2])):
+            if not is_float(r) or m is None:
+                bounds.append(None)
+                continue
+            g = gamma(K, c.ua)
+            bounds.append(c.out_rounding(r, torch.add(torch.full((), c.floor(), dtype=torch.float64),
+                                                         m.reshape(r.shape), alpha=g)))
+        return bounds
+
+    return c.budget("conv", make, lambda: _results_accumulated(c, (K_in, K_w, K_b)))
+
+
+def _results_accumulated(c: BudgetCall, Ks: Sequence[int]) -> tuple[float, float]:
+    """(scale, accumulation) for outputs that are each a K-term sum, without the terms at hand: the results'
+    own rounding, and accumulation_sq's drift part K/3 r**2 (its random-walk part needs the terms: left
+    out, so the estimate is low and the bits read conservatively)."""
+    scale = acc = 0.0
+    for r, K in zip(c.outputs, Ks):
+        if is_float(r):
+            r_sq = sumsq(r)
+            scale += r_sq
+            acc += accumulation_sq(K, 0.0, r_sq)
+    return scale, acc
+
+
+# --- FFT: normwise bound (Higham, Thm 24.2): ||dy||_2 <= c log2(n) ua ||y||_2, and each |dy_k| <= ||dy||_2 ---
+_FFT_C = 8.0
+
+
+@register_budget(*overloads("_fft_r2c", "_fft_c2r", "_fft_c2c"))
+def fft_budget(c: BudgetCall) -> Budget:
+    x, r = c.a["self"], c.out()
+    dims = reduced_dims(x, c.a["dim"])
+    if c.plan.base == "_fft_c2r":
+        n = math.prod(x.shape[d] for d in dims[:-1]) * c.a["last_dim_size"]
+        herm = math.sqrt(2.0)  # the half spectrum stands for the full one: ||X_full|| <= sqrt(2) ||X_half||
+    else:
+        n = math.prod(x.shape[d] for d in dims)
+        herm = 1.0
+    norm = {0: 1.0, 1: 1.0 / math.sqrt(max(n, 1)), 2: 1.0 / max(n, 1)}[c.a["normalization"]]
+    rel = _FFT_C * (math.log2(max(n, 2)) + 1) * c.ua
+
+    def make():
+        xn = torch.linalg.vector_norm(x, dim=dims, keepdim=True)
+        return [torch.add(c.final(r, 2.0), xn, alpha=rel * math.sqrt(n) * herm * norm).expand(r.shape)]
+
+    return c.budget("fft", make)
+
+
+# --- pairwise distances: p = 2 goes through a matmul (|x|^2 + |y|^2 - 2 x.y) and cancels ---
+@register_budget(*overloads("_cdist_forward"))
+def cdist_budget(c: BudgetCall) -> Budget:
+    x1, x2, r = c.a["x1"], c.a["x2"], c.out()
+    p = float(c.a["p"])
+    K = x1.shape[-1]
+    if p == 2.0:
+        def make():
+            n1 = x1.abs().square().sum(-1, keepdim=True)
+            n2 = x2.abs().square().sum(-1).unsqueeze(-2)
+            dd = 2 * gamma(K + 3, c.ua) * (n1 + n2)  # error of the squared distance
+            return [torch.minimum(dd.sqrt(), dd / (2 * r.abs())) + c.final(r, 4.0)]
+
+        return c.budget("reduction", make)
+    if math.isinf(p) or p == 0:
+        return c.budget("reduction", lambda: [c.final(r, 2.0) + c.ua * r.abs()])
+    rel = (gamma(K, c.ua) + (EXP_ULPS + 1) * c.ua) / abs(p) + EXP_ULPS * c.ua
+    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=rel)])
+
+
+@register_budget(*overloads("linalg_cross", "cross"))
+def cross_budget(c: BudgetCall) -> Budget:
+    """a_i b_j - a_j b_i: two products, one cancelling difference: 3 u (|a_i b_j| + |a_j b_i|)."""
+    a_, b_, r = c.a["self"], c.a["other"], c.out()
+    dim = c.a.get("dim")
+    dim = -1 if dim is None else dim
+
+    def make():
+        aa, bb = torch.broadcast_tensors(a_.abs(), b_.abs())
+        return [c.final(r) + 3 * c.u * (aa.roll(1, dim) * bb.roll(-1, dim) + aa.roll(-1, dim) * bb.roll(1, dim))]
+
+    return c.budget("elementwise", make)
+
+
+# --- no a-priori bound: errors set by the inputs' conditioning, not by shapes ---
+UNBOUNDED_NAMES = frozenset((
+    "cholesky", "cholesky_solve", "_cholesky_solve_helper", "cholesky_inverse", "lu_solve", "lu_unpack",
+    "triangular_solve", "_lu_with_info", "geqrf", "orgqr", "ormqr", "inverse", "det", "logdet", "slogdet",
+    "svd", "_svd_helper", "pinverse", "matrix_exp", "matrix_power", "qr", "symeig", "eig", "lstsq",
+    "linalg_householder_product", "_linalg_check_errors",
+))
+
+
+def _unbounded(plan: OpPlan) -> bool:
+    return plan.base.startswith(("linalg_", "_linalg_")) or plan.base in UNBOUNDED_NAMES
+
+
+@register_budget_predicate(_unbounded)
+def unbounded_budget(c: BudgetCall) -> Budget:
+    """Linear algebra (solves, factorizations, eigen/singular values, inverses): the error of a correct
+    implementation scales with the condition number, which the shapes do not give: bound = inf."""
+    return c.budget("unbounded", lambda: [torch.full_like(r, math.inf, dtype=torch.float64) if is_float(r) and not
+                                          r.is_complex() else (torch.full(r.shape, math.inf, dtype=torch.float64)
+                                                               if is_float(r) else None) for r in c.outputs])
+
+
+@register_budget(*overloads("_trilinear"))
+def trilinear_budget(c: BudgetCall) -> Budget:
+    """sum over sumdim of i1 * i2 * i3 (nn.Bilinear): the op on magnitudes; intermediates (the kernel forms
+    i1 x i2 first) may be rounded to the device dtype."""
+    a, r = c.a, c.out()
+    n = max(a["i1"].numel(), a["i2"].numel(), a["i3"].numel())
+
+    def make():
+        mag = c.call_with(i1=a["i1"].abs(), i2=a["i2"].abs(), i3=a["i3"].abs())
+        return [torch.add(c.final(r), mag, alpha=gamma(n + 2, c.ua) + 4 * c.u)]
+
+    return c.budget("matmul", make)
