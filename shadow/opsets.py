@@ -32,6 +32,7 @@ MATMULS: dict[str, Matmul] = {
     "mv": Matmul("self", "vec"),
     "dot": Matmul("self", "tensor"),
     "vdot": Matmul("self", "other"),
+    "inner": Matmul("self", "other"),
     "addmm": Matmul("mat1", "mat2", "self"),
     "_addmm_activation": Matmul("mat1", "mat2", "self"),
     "baddbmm": Matmul("batch1", "batch2", "self"),

@@ -16,8 +16,9 @@ import torch
 
 from shadow import ShadowMode
 
-from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, impl_unsupported, loss_fn, make_batches, \
+from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, loss_fn, make_batches, \
     make_optimizer, train_steps
+from skips import skip_unsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,16 +71,12 @@ def assert_clean_report(sm: ShadowMode) -> None:
     assert cov.replayed > 0 and cov.calls == sum(cov.kinds.values())
 
 
-def _skip_unsupported(opt_name: str, impl: str) -> None:
-    if (reason := impl_unsupported(opt_name, impl)) is not None:
-        pytest.skip(reason)
-
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_bit_identical_with_and_without_shadow(model_name, opt_name, impl):
-    _skip_unsupported(opt_name, impl)
+    skip_unsupported(opt_name, impl)
     plain = _run(model_name, opt_name, impl, None)
     sm = ShadowMode()
     shadowed = _run(model_name, opt_name, impl, sm)

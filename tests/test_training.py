@@ -27,8 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shadow import ShadowMode
 
-from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, impl_unsupported, loss_fn, make_batches, \
+from models import IMPLS, MODELS, OPTIMIZERS, build, dtype_unsupported, loss_fn, make_batches, \
     make_optimizer, to_dtype, train_steps
+from skips import skip_unsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,16 +145,12 @@ def check_against_reference(case: dict) -> dict:
     return {"shadow": shadow_err[worst], "device": max(device_err.values())}
 
 
-def _skip_unsupported(opt_name: str, impl: str) -> None:
-    if (reason := impl_unsupported(opt_name, impl, torch.float32, torch.float64)) is not None:
-        pytest.skip(reason)
-
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_shadow_equals_float64_run(model_name, opt_name, impl):
-    _skip_unsupported(opt_name, impl)
+    skip_unsupported(opt_name, impl, torch.float32, torch.float64)
     case = run_case(model_name, opt_name, impl)
     check_against_reference(case)
     if model_name != "mlp":  # every model but the MLP has dropout: the masks were really replayed
@@ -164,7 +161,7 @@ def test_shadow_equals_float64_run(model_name, opt_name, impl):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_accumulation_and_clipping(model_name, impl):
     """Two backward passes per step, then clip_grad_norm_ (its foreach and for-loop kernels) and AdamW."""
-    _skip_unsupported("adamw", impl)
+    skip_unsupported("adamw", impl, torch.float32, torch.float64)
     case = run_case(model_name, "adamw", impl, accumulate=2, clip=CLIP, clip_foreach=impl != "forloop")
     check_against_reference(case)
     ops = set(case["sm"].report.by_op)
@@ -179,7 +176,7 @@ def test_accumulation_and_clipping(model_name, impl):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_shadow_equals_float64_run_long(model_name, opt_name, impl):
     """More steps and other seeds: drift grows, the shadow still tracks float64."""
-    _skip_unsupported(opt_name, impl)
+    skip_unsupported(opt_name, impl, torch.float32, torch.float64)
     for seed in (1, 2):
         check_against_reference(run_case(model_name, opt_name, impl, steps=8, accumulate=2, clip=1.0, seed=seed))
 
@@ -229,7 +226,7 @@ if torch.backends.mkldnn.is_available():  # nn.LSTM's float32 CPU kernel: oneDNN
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_records_phases_and_modules(model_name, impl):
-    _skip_unsupported("adam", impl)
+    skip_unsupported("adam", impl, torch.float32, torch.float64)
     steps = 2
     model = build(model_name)
     opt = make_optimizer("adam", model.parameters(), impl)
@@ -373,7 +370,7 @@ def test_low_precision_training_drift_scales_with_unit_roundoff(model_name):
 def test_float64_device_has_zero_drift(model_name, opt_name, impl):
     """A float64 program's shadow is the program itself: every op's local error and drift are exactly 0.
     (Casts would differ: an explicit cast rounds, the float64 shadow does not; these programs have none, and the test below has one.)"""
-    _skip_unsupported(opt_name, impl)
+    skip_unsupported(opt_name, impl, torch.float32, torch.float64)
     model = build(model_name, dtype=torch.float64)
     opt = make_optimizer(opt_name, model.parameters(), impl)
     torch.manual_seed(0)

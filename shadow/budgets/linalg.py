@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..opsets import CONVOLUTIONS, MATMULS, Matmul
+from ..opsets import CONVOLUTIONS, MATMULS
 from ..plan import OpPlan
 from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, aten, coefficient, gamma, is_float, overloads,
                    reduced_dims, register_budget, register_budget_predicate, sumsq)
@@ -86,13 +86,11 @@ def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: A
     return c.budget("matmul", make, scale_sq)
 
 
-# inner (a dot for 1-D operands) is not among opsets.MATMULS
-_FACTORS = {**MATMULS, "inner": Matmul("self", "other")}
 
 
 def _factors(c: BudgetCall) -> tuple[Any, Any, Any]:
     """(a, b, bias) of a matmul-like call (bias None where the op has none)."""
-    m = _FACTORS[c.plan.base]
+    m = MATMULS[c.plan.base]
     return c.a[m.a], c.a[m.b], c.a[m.bias] if m.bias is not None else None
 
 

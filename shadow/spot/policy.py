@@ -16,7 +16,7 @@ from ..errors import ShadowOptionError
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Reference, estimate_cost_us, reference_for
 from .sampling import sample_indices
-from .verdict import SpotStats, spot_check, summarize
+from .verdict import Sample, SpotStats, spot_check, summarize
 
 DEFAULT_SAMPLES = 2  # elements per output per op call by default: one by priority (when given), one at random
 ESCALATED_SAMPLES = 16  # elements per output of an escalated call
@@ -223,7 +223,7 @@ class SpotPolicy:
         reference_outputs: Sequence[torch.Tensor | None],
         dtype: torch.dtype,
         priority: Sequence[torch.Tensor | None] | None = None,
-    ) -> SpotStats | None:
+    ) -> tuple[SpotStats | None, list[Sample]]:
         """Spot-check one call: ``args``/``kwargs`` as the float64 reference read them (for in-place and
         ``out=`` ops, as they were before the call); ``device_outputs`` and ``reference_outputs`` aligned
         with the op's tensor outputs (None where absent); ``dtype`` the device dtype; ``priority``
