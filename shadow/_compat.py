@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # (2, 4), (2, 13)
-
 # Device types whose dispatch key is not their name capitalized (torch < 2.1 had no
 # torch._C._dispatch_key_for_device; 2.4.1 and 2.13 both have it: this is only its fallback).
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU", "privateuseone": "PrivateUse1",

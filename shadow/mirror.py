@@ -97,7 +97,6 @@ class Mirror:
         self._versions: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id(t) -> (ref, key, version, writes)
         self._new = 0
         self.adopted = 0  # storages first seen mid-run, adopted by exact upcast
-        self.resynced = 0  # storages re-read from the device after an unobserved write
         self.reinterpreted = 0  # reads through a view of another dtype size, served from the device
 
     # --- which tensors are mirrored ---
@@ -156,7 +155,6 @@ class Mirror:
         st = t.untyped_storage()
         old = self._entries.get(st._cdata)
         self._adopt(t, st, old)
-        self.resynced += 1
 
     def _put(self, key: int, e: _Entry) -> None:
         self._entries[key] = e

@@ -19,29 +19,12 @@ value), float64 reference ``r`` and device result ``y`` (dtype ``d``)::
 
     trusted  <=>  |r - x|  <=  0.01 * max(|y - x|, spacing_d(|x|) / 2)
 
-for every sampled element: the reference's own error is at most 1% of the device's error, and an
-exactly rounded (or luckier) device is measured against half an ulp of its dtype instead, so a device
-result with a tiny or zero error does not make every reference untrusted. ``spacing_d`` is the one of
-``shadow.metrics`` (``2**(floor(log2|x|) - p)``, the subnormal spacing below the smallest normal). A
-non-finite ``x`` trusts a reference that equals it (the same infinity, or NaN for NaN); a reference
-that is non-finite where ``x`` is finite (or the reverse) is untrusted with an infinite error; a
-non-finite device result against a finite ``x`` trusts any finite reference (its error is infinite)
-and is left out of the device figures, as ``shadow.metrics`` counts such elements apart. For a
-float64 device the rule still holds, but float64 has no headroom over itself: a reference passes only
-when its error is at most 1% of the device's (0.005 ulp where the device is exact), so with float64
-devices expect untrusted verdicts wherever both round; their calls are never escalated.
-
-Sampling (``SpotPolicy``): a few elements per op call (``DEFAULT_SAMPLES``), chosen deterministically
-from a seed, the op's name, its call number and the output; the elements the caller ranks most
-ill-conditioned (``priority``) go first. Escalation: when a sampled element shows cancellation beyond
-what float64's headroom over the device covers (see ``SpotPolicy``), the same call gets up to
-``ESCALATED_SAMPLES`` elements and the op's next ``ESCALATE_CALLS`` calls too. Cost stays bounded by
-estimates, not clocks (so the samples are reproducible): an element whose estimated cost exceeds
-``ELEMENT_CAP_US`` is not checked (the reason says so), a call's default samples stop at
-``CALL_CAP_US``, and escalated samples draw on a budget that grows by ``ESCALATION_REFILL_US`` per op
-call seen (at most ``ESCALATION_BUDGET_US`` banked).
+for every sampled element: the reference's own error is at most 1% of the device's, and an exactly rounded
+device is measured against half an ulp of its dtype instead. Sampling (``SpotPolicy``): a few elements
+per call, deterministic (seeded by the op, its call number and the output), the most ill-conditioned
+first; escalated where float64's headroom is at risk; cost bounded by estimates, not clocks. Non-finite
+cases, float64 devices, escalation and the cost caps: ``docs/spot-checks.md``.
 """
-
 
 from .policy import (ALL_MAX_ELEMENTS, DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, SpotConfig,
                      SpotPolicy)
