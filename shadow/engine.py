@@ -278,7 +278,9 @@ class Engine:
         for o, c in zip(outputs.items, verdict.compared):
             self._commit(p, o, c)
         cpu = self._cpu_error(p, outputs) if p.cpu is not None and kind is not Kind.RANDOM else None
-        self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs, cpu=cpu)
+        result = next((o.device for o in outputs.items if isinstance(o.device, torch.Tensor)), None)
+        self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs, cpu=cpu,
+                     result=result)
 
     def _outputs(self, p: Prepared, args, kwargs, out, souts, louts) -> Outputs:
         """Written arguments (in-place, out=), then fresh returns, then an .item()-like number. Slots follow
@@ -345,8 +347,10 @@ class Engine:
             if local.norm > 0:
                 local.effective_bits = budget.bits(local.norm ** 2)
             info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
-        return Verdict(local, drift, sum(c.flips for c in compared), sum(c.local_flips for c in compared),
-                       sum(c.mismatch for c in compared), info, spot, compared)
+        flips = local_flips = mismatch = 0
+        for c in compared:
+            flips, local_flips, mismatch = flips + c.flips, local_flips + c.local_flips, mismatch + c.mismatch
+        return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared)
 
     def _compare(self, p: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None) -> Compared:
         """One output's figures; ``dtype``: the device dtype its error is measured in."""
@@ -473,16 +477,20 @@ class Engine:
         self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=reason)
 
     def _record(self, plan: OpPlan, kind: Kind, args, kwargs, out, *, verdict: Verdict | None = None, item=None,
-                reason: str = "", inputs=(), cpu: ErrorStats | None = None) -> None:
+                reason: str = "", inputs=(), cpu: ErrorStats | None = None, result: Any = False) -> None:
+        """``result``: the call's first tensor result, when the caller knows it (False: look it up)."""
         module, phase = self.attr.where(inputs)
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
-        result = _first_tensor(plan, args, kwargs, out)
-        rec = Record(self._index, plan.name, module, phase, kind, reason=reason, item=item, cpu_fallback=fallback,
-                     cpu=cpu, dtype=str(result.dtype) if result is not None else "",
-                     shape=tuple(result.shape) if result is not None else ())
-        if verdict is not None:
-            rec.local, rec.drift, rec.budget, rec.spot = verdict.local, verdict.drift, verdict.budget, verdict.spot
-            rec.flips, rec.local_flips, rec.shape_mismatch = verdict.flips, verdict.local_flips, verdict.mismatch
+        if result is False:
+            result = _first_tensor(plan, args, kwargs, out)
+        dtype, shape = (str(result.dtype), tuple(result.shape)) if result is not None else ("", ())
+        if verdict is None:
+            rec = Record(self._index, plan.name, module, phase, kind, reason=reason, item=item, cpu_fallback=fallback,
+                         cpu=cpu, dtype=dtype, shape=shape)
+        else:
+            v = verdict
+            rec = Record(self._index, plan.name, module, phase, kind, v.local, v.drift, v.flips, v.local_flips,
+                         v.mismatch, item, reason, v.spot, v.budget, fallback, cpu, dtype, shape)
         self._index += 1
         self.report.add(rec)
 

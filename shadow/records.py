@@ -25,6 +25,8 @@ class _Value(str, enum.Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
+    __hash__ = str.__hash__  # hashes as its value, which it equals: a member and "forward" are one dict key
+
 
 class Kind(_Value):
     """How an op call was handled; every call gets exactly one."""

@@ -42,7 +42,7 @@ class Aggregate:
         self.calls += 1
         if rec.dtype:
             self.dtypes[rec.dtype] = self.dtypes.get(rec.dtype, 0) + 1
-        self.kinds[rec.kind.value] = self.kinds.get(rec.kind.value, 0) + 1
+        self.kinds[rec.kind] = self.kinds.get(rec.kind, 0) + 1
         if rec.local is not None:
             self.max_local_ulp = max(self.max_local_ulp, rec.local.max_ulp)
             self.max_local_abs = max(self.max_local_abs, rec.local.max_abs)
@@ -118,7 +118,7 @@ class Report:
 
     def add(self, rec: Record) -> None:
         self.coverage.calls += 1
-        self.coverage.kinds[rec.kind.value] = self.coverage.kinds.get(rec.kind.value, 0) + 1
+        self.coverage.kinds[rec.kind] = self.coverage.kinds.get(rec.kind, 0) + 1
         if rec.kind is Kind.UNSUPPORTED:
             self.coverage.unsupported.setdefault(rec.op, rec.reason)
         for table, key in ((self.by_op, rec.op), (self.by_module, rec.module)):
