@@ -61,8 +61,8 @@ class Prepared:
     pre: Args | None = None  # the local reference's inputs as before the op (budgets, spot checks)
     cpu: Args | None = None  # compare_cpu: the device's inputs on the CPU, in their own dtypes
     exact: bool = True  # every shadow input equals the device's: local error = drift
-    inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)  # device tensors read (naming)
-    storages: set[int] = dataclasses.field(default_factory=set)  # shadow storages of the inputs
+    inputs: list[torch.Tensor] | None = None  # device tensors read (naming)
+    storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
 
     @property
@@ -192,7 +192,7 @@ class Engine:
 
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:
-        p = Prepared(plan, chain)
+        p = Prepared(plan, chain, inputs=[], storages=set())
         p.shadow = _remapped(plan, *plan.map_tensors(
             args, kwargs, lambda t, spec: self._shadow_arg(p, t, spec.write, spec.index in plan.declared_writes)))
         if self.opt.local and not p.exact:
@@ -307,7 +307,7 @@ class Engine:
                     items.append(Output(d, s, l, True, ret_slot.get(id(d)) if has_returns else w))
                     w += 1
         item = None
-        if plan.returns and not all(r.aliases_write or r.aliases_read for r in plan.returns):
+        if plan.fresh_returns:
             sflat = flat_returns(plan, souts)
             lflat = flat_returns(plan, louts) if p.local is not None else [(None, None)] * len(dflat)
             for i, ((spec, d), (_, s), (_, l)) in enumerate(zip(dflat, sflat, lflat)):
@@ -318,8 +318,13 @@ class Engine:
                 elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):  # .item(), equal
                     item = (d, s)
                     items.append(Output(d, s, l, False, None))
-        dtype = next((o.device.dtype for o in items if isinstance(o.device, torch.Tensor)
-                      and shadow_dtype_of(o.device.dtype)), p.inputs[0].dtype if p.inputs else torch.float64)
+        dtype = None
+        for o in items:
+            if isinstance(o.device, torch.Tensor) and (o.device.is_floating_point() or o.device.is_complex()):
+                dtype = o.device.dtype
+                break
+        if dtype is None:
+            dtype = p.inputs[0].dtype if p.inputs else torch.float64
         return Outputs(items, len(dflat) if has_returns else w, item, dtype)
 
     # --- judging: the one place that turns outputs into figures ---
@@ -483,7 +488,7 @@ class Engine:
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
         if result is False:
             result = _first_tensor(plan, args, kwargs, out)
-        dtype, shape = (str(result.dtype), tuple(result.shape)) if result is not None else ("", ())
+        dtype, shape = (_dtype_name(result.dtype), tuple(result.shape)) if result is not None else ("", ())
         if verdict is None:
             rec = Record(self._index, plan.name, module, phase, kind, reason=reason, item=item, cpu_fallback=fallback,
                          cpu=cpu, dtype=dtype, shape=shape)
@@ -527,6 +532,17 @@ def _remap(name: str, v: Any) -> Any:
     if name in ("pin_memory", "half_to_float") and v:
         return False
     return v
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """str(dtype) ("torch.bfloat16"), cached: it is asked once per call."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def _first_tensor(plan: OpPlan, args, kwargs, out) -> torch.Tensor | None:

@@ -93,6 +93,7 @@ class OpPlan:
     out_args: frozenset[int]  # ... of the out= buffers among them (written, never read)
     declared_writes: frozenset[int]  # the ones that bump the version counter
     is_view: bool  # only returns aliases of its inputs and writes nothing: no value to replay
+    fresh_returns: bool  # some return is a new value (not an alias of an argument)
 
     # --- reading and rewriting arguments by schema name ---
     def has(self, name: str) -> bool:
@@ -203,6 +204,7 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
         declared_writes=frozenset(a.index for a in writes if a.index not in undeclared),
         is_view=any(r.is_tensor for r in returns) and all(r.aliases_read for r in returns if r.is_tensor)
         and not writes,
+        fresh_returns=any(not (r.aliases_write or r.aliases_read) for r in returns),
     )
 
 
