@@ -183,12 +183,28 @@ class Engine:
             return None
 
     def _see(self, plan: OpPlan, args, kwargs) -> None:
-        """A view's input storage gets its shadow now (adopted if new), so the view's shadow exists."""
+        """A view's input storage gets its shadow now (adopted if new, resynced if written behind shadow's
+        back), so the view's shadow exists; an in-place view op (``t_``, ``unsqueeze_``) bumps its input's
+        version counter, which is noted as a write shadow saw."""
         m = self.mirror
-        for _, t in plan.tensors(args, kwargs):
+        for spec, t in plan.tensors(args, kwargs):
             if t.device.type != "meta" and m.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
                     and t.layout == torch.strided:
-                m.entry(t)
+                e = self._entry(plan, t)
+                if spec.index in plan.declared_writes:
+                    m.note_write(e)
+
+    def _entry(self, plan: OpPlan, t: torch.Tensor):
+        """The mirror entry of a floating input's storage, resynced (and reported) after an unobserved write."""
+        m = self.mirror
+        e = m.entry(t)
+        if m.unobserved_write(t, e):
+            m.resync(t)
+            e = m.entry(t)
+            self.report.unobserved_write(Event(
+                self._index, plan.name, "unobserved_write",
+                f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced"))
+        return e
 
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:
@@ -243,13 +259,7 @@ class Engine:
             return c.clone() if write and c is t else c
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
             return torch.zeros(t.shape, dtype=sd)
-        e = m.entry(t)
-        if m.unobserved_write(t, e):
-            m.resync(t)
-            e = m.entry(t)
-            self.report.unobserved_write(Event(
-                self._index, p.plan.name, "unobserved_write",
-                f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced"))
+        e = self._entry(p.plan, t)
         if declared:
             m.note_write(e)
         p.exact = p.exact and e.exact

@@ -296,6 +296,33 @@ def test_unobserved_write_detected_and_resynced():
     assert ev.kind == "unobserved_write" and ev.op == "aten.add.Tensor"
 
 
+def test_in_place_view_ops_are_writes_shadow_saw():
+    x = torch.randn(3, 4)
+    with ShadowMode() as sm:
+        y = x * 2.0
+        y.t_()  # bumps y's version counter: a write through the dispatcher, not behind shadow's back
+        y.unsqueeze_(0)
+        y.squeeze_(0)
+        y.transpose_(0, 1)
+        y.as_strided_((4, 3), (1, 4))
+        w = y * 3.0
+    assert sm.report.coverage.unobserved_writes == 0 and sm.report.events == []
+    assert torch.equal(sm.shadow_of(w), (x.double() * 2.0).t() * 3.0)  # the drift chain is not cut
+
+
+def test_a_write_behind_shadows_back_is_caught_through_a_view():
+    sm = ShadowMode()
+    t = torch.randn(4, dtype=f64)
+    with sm:
+        u = t * 2.0
+    u.add_(1.0)  # outside the mode
+    with sm:
+        v = u[1:]  # a view op reads u first
+        w = v * 1.0
+    assert sm.report.coverage.unobserved_writes == 1 and sm.report.events[0].op == "aten.slice.Tensor"
+    assert torch.equal(sm.shadow_of(w), w)
+
+
 def test_no_false_unobserved_writes_in_a_training_step():
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
