@@ -8,7 +8,7 @@
 
 __version__ = "0.1.0"
 
-from .errors import ReportFormatError, ShadowOptionError
+from .errors import ReportFormatError, ShadowOptionError, ShadowWarning
 from .metrics import ErrorStats
 from .modes import ShadowMode
 from .records import BudgetInfo, Kind, Phase, Record
@@ -16,4 +16,4 @@ from .report import Aggregate, Coverage, Report, load_report
 from .spot import SpotStats
 
 __all__ = ["ShadowMode", "Report", "Record", "Aggregate", "Coverage", "BudgetInfo", "ErrorStats", "SpotStats", "Kind",
-           "Phase", "load_report", "ShadowOptionError", "ReportFormatError"]
+           "Phase", "load_report", "ShadowOptionError", "ReportFormatError", "ShadowWarning"]

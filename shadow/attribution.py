@@ -7,6 +7,9 @@ mapped to the parameter's dotted name so optimizer ops are charged to it.
 
 from __future__ import annotations
 
+import sys
+from typing import Callable
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.autograd.graph import register_multi_grad_hook
@@ -22,8 +25,12 @@ class _Tracker(ModuleTracker):
     ("A leaf node was passed to _will_engine_execute_node", pytorch/pytorch#131753). Cost: a module whose
     inputs are all leaves stays among ``parents`` until the engine's end-of-backward callback clears them."""
 
+    on_compiled: Callable[[str], None] | None = None  # called with the name of a compiled module about to run
+
     def _fw_pre_hook(self, mod, input) -> None:
         name = self._get_mod_name(mod)
+        if self.on_compiled is not None and _compiled(mod):
+            self.on_compiled(name)
         self._get_append_fn(name, False)()
         args, _ = tree_flatten(input)
         tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None]
@@ -31,6 +38,14 @@ class _Tracker(ModuleTracker):
             handle = register_multi_grad_hook(tensors, self._get_pop_fn(name, True))
             if hasattr(self, "_hooks"):  # torch >= 2.5 removes them on exit; 2.4 keeps none
                 self._hooks.append(handle)
+
+
+def _compiled(mod: torch.nn.Module) -> bool:
+    """``torch.compile(model)`` (an OptimizedModule) or ``model.compile()``: dynamo skips frames while a dispatch
+    mode is active, so under shadow the module runs eagerly."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return (optimized is not None and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None) is not None
 
 
 def _innermost(parents: set[str]) -> str:
@@ -53,8 +68,9 @@ def _common_prefix(names: list[str]) -> str:
 class Attribution:
     """Tracks the current module and phase while a ShadowMode is active."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_compiled: Callable[[str], None] | None = None) -> None:
         self._tracker = _Tracker()
+        self._tracker.on_compiled = on_compiled
         self._optimizer_depth = 0
         self._param_names: dict[int, str] = {}  # storage address -> parameter name, during a step
         self._handles: list = []

@@ -6,6 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 
+class ShadowWarning(UserWarning):
+    """Something shadow cannot see as the program would run without it (a compiled module runs eagerly):
+    the numbers are still honest, about what ran. Filter it with ``warnings.filterwarnings``."""
+
+
 class ShadowOptionError(ValueError):
     """An option has a value shadow cannot use; the message names the valid values."""
 

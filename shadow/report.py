@@ -78,6 +78,7 @@ class Coverage:
     tensors_adopted: int = 0  # storages first seen mid-run, adopted by exact upcast
     unobserved_writes: int = 0  # storages written behind shadow's back, resynced from the device
     reinterpreted: int = 0  # reads through a view of another element size, served from the device
+    compiled: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled modules run eagerly: calls
 
     @property
     def replayed(self) -> int:
@@ -95,6 +96,8 @@ class Coverage:
             f"{self.internal_errors} internal errors"
         )
         lines += [f"  unsupported {op}: {why}" for op, why in sorted(self.unsupported.items())]
+        lines += [f"  compiled module {name} ran eagerly ({n} calls): its figures are the eager kernels'"
+                  for name, n in sorted(self.compiled.items())]
         return "\n".join(lines)
 
 
@@ -145,6 +148,10 @@ class Report:
         """A storage written behind shadow's back (resynced from the device)."""
         self.coverage.unobserved_writes += 1
         self.events.append(event)
+
+    def compiled_module(self, name: str) -> None:
+        """A torch.compile'd module ran (eagerly) inside the mode."""
+        self.coverage.compiled[name] = self.coverage.compiled.get(name, 0) + 1
 
     def mirror_counts(self, adopted: int, reinterpreted: int) -> None:
         """The mirror's own counts, at the end of a ``with`` block."""

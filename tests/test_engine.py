@@ -517,3 +517,19 @@ def test_reports_of_format_version_3_still_load(tmp_path):
     back = shadow.load_report(path)
     assert back.records[-1].budget.family == "matmul" and back.records[-1].budget.used == sm.report.records[-1].budget.used
     assert back.records[-1].dtype == "" and back.by_op["aten.mm.default"].over_budget_calls == 0
+
+
+def test_a_compiled_module_runs_eagerly_and_says_so():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    x = torch.randn(5, 4)
+    want = m(x)
+    compiled = torch.compile(m)
+    with pytest.warns(shadow.ShadowWarning, match="runs eagerly") as caught:
+        with ShadowMode() as sm:
+            y = compiled(x)
+            y = compiled(x)
+    assert len([w for w in caught if w.category is shadow.ShadowWarning]) == 1  # once per run
+    assert torch.equal(y, want)  # eager kernels: the same bits as the uncompiled module
+    assert sm.report.coverage.compiled == {"OptimizedModule": 2} and "ran eagerly" in str(sm.report.coverage)
+    assert [r.op for r in records(sm, "aten.addmm.default")] == ["aten.addmm.default"] * 2  # shadowed, eagerly

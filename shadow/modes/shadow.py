@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..attribution import Attribution
 from ..engine import Engine
+from ..errors import ShadowWarning
 from ..options import Options
 from ..report import Report
 
@@ -56,9 +58,20 @@ class ShadowMode:
         if self._active:
             raise RuntimeError("ShadowMode.reset() inside its `with` block: call it after the block exits")
         self.report = Report(max_records=self.options.max_records, meta=self._meta())
-        self._attr = Attribution()
+        self._attr = Attribution(on_compiled=self._compiled_runs_eagerly)
         self._engine = Engine(self.options, self.report, self._attr)
         self._mode = None
+
+    def _compiled_runs_eagerly(self, module: str) -> None:
+        """A torch.compile'd module runs inside the mode: dynamo skips frames while a dispatch mode is active,
+        so it runs eagerly and its figures are the eager kernels'. Counted; warned once per run."""
+        first = not self.report.coverage.compiled
+        self.report.compiled_module(module)
+        if first:
+            warnings.warn(
+                f"shadow: the compiled module {module} runs eagerly inside ShadowMode (torch.compile skips frames "
+                "while a dispatch mode is active): its figures describe the eager kernels, not the compiled ones. "
+                "report.coverage.compiled lists such modules.", ShadowWarning, stacklevel=2)
 
     def _meta(self) -> dict:
         from .. import __version__
