@@ -3,11 +3,12 @@ and the saved format."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .errors import ReportFormatError
 from .metrics import ErrorStats
@@ -15,7 +16,8 @@ from .records import Event, Kind, Record, numbers
 
 FORMAT = "shadow-report"
 VERSION = 4  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls
-READS = (3, 4)  # versions this shadow loads (3: the budget family was "kind", over_budget_calls "over_budget")
+READS = (1, 2, 3, 4)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget family
+# "kind" and over_budget_calls "over_budget"
 
 
 @dataclasses.dataclass(slots=True)
@@ -240,35 +242,86 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict) -> Report:
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ReportFormatError(f"not a shadow report: expected format {FORMAT!r}, got {d.get('format')!r}"
-                                    if isinstance(d, dict) else "not a shadow report: expected a JSON object")
-        if d.get("version") not in READS:
+        """A report from its saved form (``to_dict``); versions 1 to 4 load (later versions only added
+        fields, and the two renamed in version 4 are read under their old names). Anything malformed raises
+        ``ReportFormatError`` naming what is wrong and where."""
+        if not isinstance(d, dict):
+            raise ReportFormatError(f"not a shadow report: expected a JSON object, got {type(d).__name__}")
+        if d.get("format") != FORMAT:
+            raise ReportFormatError(f"not a shadow report: expected format {FORMAT!r}, got {d.get('format')!r}")
+        version = d.get("version")
+        if version not in READS:
+            newer = isinstance(version, int) and version > VERSION
             raise ReportFormatError(
-                f"shadow report version {d.get('version')!r} cannot be read by this shadow (reads versions "
-                f"{', '.join(map(str, READS))}); load it with the shadow release that wrote it"
-            )
-        rep = cls(max_records=d["max_records"], meta=d["meta"])
-        rep.dropped_records = d["dropped_records"]
-        rep.records = [Record.from_dict(r) for r in d["records"]]
-        rep.by_op = {k: _aggregate(v) for k, v in d["by_op"].items()}
-        rep.by_module = {k: _aggregate(v) for k, v in d["by_module"].items()}
-        rep.coverage = Coverage(**d["coverage"])
-        rep.events = [Event(**e) for e in d["events"]]
+                f"shadow report version {version!r} cannot be read by this shadow (it reads versions "
+                f"{READS[0]} to {READS[-1]})" + ("; it was written by a newer shadow: upgrade shadow to read it"
+                                                 if newer else ""))
+        with _reading("the report's header"):
+            rep = cls(max_records=d["max_records"], meta=d["meta"])
+            rep.dropped_records = d["dropped_records"]
+        rep.records = []
+        for i, r in enumerate(_list(d, "records")):
+            with _reading(f"records[{i}]"):
+                rep.records.append(Record.from_dict(r))
+        for name in ("by_op", "by_module"):
+            table = {}
+            for key, v in _dict(d, name).items():
+                with _reading(f"{name}[{key!r}]"):
+                    table[key] = _aggregate(v)
+            setattr(rep, name, table)
+        with _reading("coverage"):
+            rep.coverage = Coverage(**_dict(d, "coverage"))
+        rep.events = []
+        for i, e in enumerate(_list(d, "events")):
+            with _reading(f"events[{i}]"):
+                rep.events.append(Event(**e))
         return rep
 
 
 def load_report(path: str | os.PathLike) -> Report:
-    """Read a report written by ``Report.save``; checks its format name and version.
+    """Read a report written by ``Report.save``; checks its format name and version, and says what is wrong
+    with anything else (``ReportFormatError``).
 
     >>> rep = shadow.load_report("run.json")  # doctest: +SKIP
     """
-    with open(path) as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ReportFormatError(f"{path}: not JSON ({exc})") from exc
-    return Report.from_dict(d)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ReportFormatError(f"{path}: not a shadow report: not UTF-8 text ({exc.reason} at byte "
+                                f"{exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise ReportFormatError(f"{path}: not a shadow report: not JSON ({exc})") from exc
+    try:
+        return Report.from_dict(d)
+    except ReportFormatError as exc:
+        raise ReportFormatError(f"{path}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _reading(where: str) -> Iterator[None]:
+    """Turn what a malformed part raises into a ReportFormatError that names the part."""
+    try:
+        yield
+    except KeyError as exc:
+        raise ReportFormatError(f"{where}: missing field {exc}") from exc
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ReportFormatError(f"{where}: {exc}") from exc
+
+
+def _list(d: dict, name: str) -> list:
+    v = d.get(name)
+    if not isinstance(v, list):
+        raise ReportFormatError(f"{name}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _dict(d: dict, name: str) -> dict:
+    v = d.get(name)
+    if not isinstance(v, dict):
+        raise ReportFormatError(f"{name}: expected an object, got {type(v).__name__}")
+    return v
 
 
 def _fmt(x: float) -> str:

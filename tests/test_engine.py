@@ -1,6 +1,7 @@
 """The engine's contracts, one trap of mirroring PyTorch per test: aliasing, mutation, randomness, discrete results,
 non-finite values, unsupported ops, unobserved writes, options and the saved report."""
 
+import copy
 import json
 import math
 
@@ -533,3 +534,61 @@ def test_a_compiled_module_runs_eagerly_and_says_so():
     assert torch.equal(y, want)  # eager kernels: the same bits as the uncompiled module
     assert sm.report.coverage.compiled == {"OptimizedModule": 2} and "ran eagerly" in str(sm.report.coverage)
     assert [r.op for r in records(sm, "aten.addmm.default")] == ["aten.addmm.default"] * 2  # shadowed, eagerly
+
+
+def test_malformed_reports_say_what_is_wrong_and_where(tmp_path):
+    with ShadowMode() as sm:
+        torch.randn(4, 4) @ torch.randn(4, 4)
+    good = sm.report.to_dict()
+    path = tmp_path / "r.json"
+
+    def load(d):
+        path.write_text(json.dumps(d))
+        return shadow.load_report(path)
+
+    cases = []
+    bad = copy.deepcopy(good)
+    del bad["records"][0]["op"]
+    cases.append((bad, r"records\[0\]: .*'op'"))
+    bad = copy.deepcopy(good)
+    last = len(bad["records"]) - 1  # the matmul's record: it has a local error
+    bad["records"][last]["local"]["colour"] = 1
+    cases.append((bad, rf"records\[{last}\]: .*colour"))
+    bad = copy.deepcopy(good)
+    bad["records"][0]["kind"] = "teleported"
+    cases.append((bad, r"records\[0\]: 'teleported' is not a valid Kind"))
+    bad = copy.deepcopy(good)
+    bad["by_op"]["aten.mm.default"]["calls"] = {"x": 1}
+    bad["by_op"]["aten.mm.default"]["colour"] = 1
+    cases.append((bad, r"by_op\['aten.mm.default'\]: .*colour"))
+    bad = copy.deepcopy(good)
+    bad["records"] = {}
+    cases.append((bad, "records: expected a list"))
+    bad = copy.deepcopy(good)
+    del bad["coverage"]["calls"], bad["meta"]
+    cases.append((bad, "the report's header: missing field 'meta'"))
+    cases.append((dict(good, version=5), "written by a newer shadow"))
+    cases.append(([1, 2], "expected a JSON object"))
+    for d, says in cases:
+        with pytest.raises(shadow.ReportFormatError, match=says):
+            load(d)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(shadow.ReportFormatError, match="not UTF-8"):
+        shadow.load_report(path)
+
+
+def test_reports_of_format_versions_1_and_2_load():
+    with ShadowMode() as sm:
+        torch.randn(4, 4) @ torch.randn(4, 4)
+    d = sm.report.to_dict()
+    for r in d["records"]:  # version 1: records without spot checks, budgets, CPU comparisons, dtype, shape
+        for name in ("spot", "budget", "cpu_fallback", "cpu", "dtype", "shape"):
+            del r[name]
+    for agg in (*d["by_op"].values(), *d["by_module"].values()):
+        for name in ("max_budget_used", "over_budget_calls", "min_effective_bits", "spot_checked", "spot_untrusted",
+                     "dtypes"):
+            del agg[name]
+    for version in (1, 2):
+        back = shadow.Report.from_dict(dict(d, version=version))
+        assert back.records[-1].op == "aten.mm.default" and back.records[-1].budget is None
+        assert back.by_op["aten.mm.default"].calls == 1
