@@ -71,3 +71,21 @@ def test_merge_keeps_worst_and_sums_counts():
 def test_count_flips():
     assert count_flips(torch.tensor([1, 2, 3]), torch.tensor([1, 0, 3])) == 1
     assert count_flips(torch.tensor([True, False]), torch.tensor([False, True])) == 2
+
+
+def test_comparisons_never_call_blas(monkeypatch):
+    """numpy's BLAS calls (vdot, dot, matmul, inner) run on a thread pool of every core: on a loaded machine
+    a 64k-element vdot took ms instead of us. Shadow's comparisons use plain reductions only."""
+    import numpy as np
+
+    def blas(*a, **k):
+        raise AssertionError("a BLAS call in shadow's comparisons")
+
+    for name in ("vdot", "dot", "matmul", "inner", "einsum"):
+        monkeypatch.setattr(np, name, blas)
+    for n in (3, 1000, 20000):  # the Python, numpy and torch paths
+        y = torch.randn(n)
+        r = y.double() + 1e-9
+        st = compare(y, r, torch.float32)
+        assert st.norm == pytest.approx(float(torch.linalg.vector_norm(y.double() - r)), rel=1e-12)
+        assert st.rel_norm == pytest.approx(st.norm / float(torch.linalg.vector_norm(r)), rel=1e-12)
