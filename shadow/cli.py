@@ -9,6 +9,7 @@ Each subcommand is a function registered with ``@command``; ``main`` builds the 
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import sys
 from typing import Callable, Sequence
@@ -85,6 +86,8 @@ def _demo(args: argparse.Namespace) -> int:
             available = ", ".join(b.name for b in backends if b.available)
             return _fail(f"demo: --device {args.device} is not available on this machine: {backend.reason}; "
                          f"available: {available} (or --device auto)")
+    if args.save and (problem := _unwritable(args.save)):
+        return _fail(f"demo: --save {args.save}: {problem}")
     device = backend.torch_device()
     dtype = DTYPES[args.dtype]
     if dtype == torch.float64 and backend.float64 is False:
@@ -141,7 +144,7 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @command("doctor", "list each device backend (cpu, cuda, mps, xpu, directml): available or why not, its name, "
-         "float64 support, and which one demo and run use", _doctor_arguments)
+         "float64 support, and which one demo uses", _doctor_arguments)
 def _doctor(args: argparse.Namespace) -> int:
     import json
     import platform
@@ -160,7 +163,7 @@ def _doctor(args: argparse.Namespace) -> int:
     print(_doctor_table(backends))
     print()
     where = chosen.name if chosen.device == chosen.name else f"{chosen.name}, {chosen.device}"
-    print(f"demo and run will use: {where}" + (f" ({chosen.device_name})" if chosen.device_name else ""))
+    print(f"demo will use: {where}" + (f" ({chosen.device_name})" if chosen.device_name else ""))
     print()
     print("numerics settings (recorded with each report):")
     width = max(map(len, numerics), default=0)
@@ -190,6 +193,18 @@ def _doctor_table(backends: list) -> str:
 def _rel_diff(p: torch.Tensor, s: torch.Tensor) -> float:
     d = p.to("cpu", torch.float64) - s
     return (torch.linalg.vector_norm(d) / torch.linalg.vector_norm(s).clamp_min(torch.finfo(torch.float64).tiny)).item()
+
+
+def _unwritable(path: str) -> str:
+    """Why a report cannot be written to ``path`` ("" if it can): checked before a long run, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable"
+    return ""
 
 
 def _fail(message: str) -> int:

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator
 
 from .errors import ReportFormatError
 from .metrics import ErrorStats
-from .records import Event, Kind, Record, numbers
+from .records import Event, Kind, Phase, Record, numbers
 
 FORMAT = "shadow-report"
 VERSION = 4  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls
@@ -33,6 +33,7 @@ class Aggregate:
     flips: int = 0
     nonfinite: int = 0
     first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
+    budgeted_calls: int = 0  # calls held to a rule's budget (not the default guess for ops no rule knows)
     max_budget_used: float = 0.0  # the worst local error as a fraction of its budget (> 1: over)
     over_budget_calls: int = 0  # calls over budget (Record.over_budget)
     min_effective_bits: float = math.inf  # the fewest mantissa bits a call's local error reads (inf: all exact)
@@ -53,6 +54,7 @@ class Aggregate:
             self.max_drift_ulp = max(self.max_drift_ulp, rec.drift.max_ulp)
         self.flips += rec.flips
         if rec.budget is not None and not rec.budget.is_default:
+            self.budgeted_calls += 1
             self.max_budget_used = max(self.max_budget_used, rec.budget.used)
             self.over_budget_calls += rec.over_budget
             bits = rec.local.effective_bits if rec.local is not None else None
@@ -176,14 +178,16 @@ class Report:
         return [r for r in self.records if r.spot is not None and r.spot.checked and not r.spot.trusted]
 
     def find(self, op: str | None = None, module: str | None = None, phase: str | None = None) -> list[Record]:
-        """Kept records matching every given field (op may be a prefix such as "aten.mm")."""
-        return [
-            r
-            for r in self.records
-            if (op is None or r.op == op or r.op.startswith(op + "."))
-            and (module is None or r.module == module)
-            and (phase is None or r.phase == phase)
-        ]
+        """Kept records matching every given field. ``op``: an overload ("aten.mm.default"), an op of every
+        overload ("aten.mm") or its short name ("mm"); ``phase``: "forward", "backward", "optimizer", "other".
+
+        >>> rep.find(op="mm", phase="backward")    # doctest: +SKIP
+        """
+        if phase is not None and phase not in {p.value for p in Phase}:
+            raise ValueError(f"find(phase={phase!r}): expected one of {', '.join(repr(p.value) for p in Phase)}")
+        return [r for r in self.records
+                if (op is None or _names_op(op, r.op)) and (module is None or r.module == module)
+                and (phase is None or r.phase == phase)]
 
     def table(self, by: str = "op", top: int | None = None) -> str:
         """A text table of the aggregates, sorted by the worst budget used, then the worst local ulp, then the
@@ -200,19 +204,21 @@ class Report:
         rows = sorted(tables[by].items(),
                       key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp, -kv[1].max_drift_rel, kv[0]))
         if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+                raise ValueError(f"table(top={top!r}): expected None (every row) or an int >= 0")
             rows = rows[:top]
         name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
         mixed = len({d for a in tables[by].values() for d in a.dtypes if _floating(d)}) > 1
         dtypes = {key: "/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-" for key, a in rows}
         dtype_w = max([5] + [len(v) for v in dtypes.values()]) if mixed else 0
         dtype_col = (lambda text: f"  {text:<{dtype_w}}") if mixed else (lambda text: "")
-        head = (f"{by:<{name_w}}  {'calls':>6}{dtype_col('dtype')}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}  {'drift rel':>10}"
-                f"  {'flips':>6}  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
+        head = (f"{by:<{name_w}}  {'calls':>6}{dtype_col('dtype')}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}"
+                f"  {'drift rel':>10}  {'flips':>6}  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
         lines = [head, "-" * len(head)]
         for key, a in rows:
             lines.append(
                 f"{key or '(none)':<{name_w}}  {a.calls:>6}{dtype_col(dtypes[key])}  {_fmt(a.max_local_ulp):>10}"
-                f"  {_fmt(a.max_budget_used) + (' !' if a.over_budget_calls else ''):>8}"
+                f"  {_budget_cell(a):>8}"
                 f"  {'-' if math.isinf(a.min_effective_bits) else f'{a.min_effective_bits:.1f}':>5}"
                 f"  {_fmt(a.max_drift_rel):>10}"
                 f"  {a.flips:>6}  {a.nonfinite:>6}  {a.kinds.get('unsupported', 0):>5}"
@@ -342,6 +348,20 @@ def _encode(x: Any) -> Any:
     return x
 
 
+def _budget_cell(a: Aggregate) -> str:
+    """max budget used, ``!`` when a call was over it; ``-`` when no call had a rule's budget (a 0 would read
+    as perfect)."""
+    if not a.budgeted_calls:
+        return "-"
+    return _fmt(a.max_budget_used) + (" !" if a.over_budget_calls else "")
+
+
+def _names_op(name: str, op: str) -> bool:
+    """``name`` designates the overload ``op`` ("aten.mm.default"): as itself, its op ("aten.mm") or its short
+    name ("mm")."""
+    return op == name or op.startswith(name + ".") or ("." not in name and op.split(".")[1:2] == [name])
+
+
 def _floating(dtype: str) -> bool:
     return "float" in dtype or "complex" in dtype
 
@@ -354,6 +374,8 @@ def _aggregate(d: dict) -> Aggregate:
     d = numbers(d)
     if "over_budget" in d:  # version 3
         d["over_budget_calls"] = d.pop("over_budget")
+    if "budgeted_calls" not in d and "max_budget_used" in d:  # version 3 did not count them: its table's figure
+        d["budgeted_calls"] = d.get("calls", 0)
     return Aggregate(**d)
 
 

@@ -278,7 +278,7 @@ def test_doctor_prints_every_backend_and_the_choice(capsys):
         assert f"\n{b.name} " in out
         assert " ".join(b.reason.split()[:6]) in " ".join(out.split())  # the reason, wrapped
     chosen = devices.choose(found)
-    assert f"demo and run will use: {chosen.name}" in out
+    assert f"demo will use: {chosen.name}" in out
     assert "torch.backends.cudnn.allow_tf32" in out
 
 

@@ -592,3 +592,22 @@ def test_reports_of_format_versions_1_and_2_load():
         back = shadow.Report.from_dict(dict(d, version=version))
         assert back.records[-1].op == "aten.mm.default" and back.records[-1].budget is None
         assert back.by_op["aten.mm.default"].calls == 1
+
+
+def test_report_queries_validate_and_accept_short_names():
+    with ShadowMode() as sm:
+        a = torch.randn(4, 4)
+        b = a @ a
+        torch.histc(b)  # no budget rule: a default budget, no evidence
+    rep = sm.report
+    assert [r.op for r in rep.find(op="mm")] == [r.op for r in rep.find(op="aten.mm")] == ["aten.mm.default"]
+    assert rep.find(op="m") == [] and len(rep.find(op="aten.mm.default", phase="other")) == 1
+    with pytest.raises(ValueError, match="'forward', 'backward', 'optimizer', 'other'"):
+        rep.find(phase="fwd")
+    for top in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="int >= 0"):
+            rep.table(top=top)
+    assert len(rep.table(top=0).splitlines()) == 2  # the header and its rule
+    rows = {line.split()[0]: line.split() for line in rep.table().splitlines()[2:]}
+    assert rows["aten.histc.default"][3] == "-"  # only a default budget: not a perfect 0
+    assert rows["aten.mm.default"][3] != "-" and rep.by_op["aten.histc.default"].budgeted_calls == 0

@@ -1,7 +1,7 @@
 """Which devices torch can use on this machine, why the others cannot be used, and what runs where.
 
 - ``discovery``: ``discover()`` probes each backend and never raises, ``choose()`` and ``best_device()``
-  pick the one ``shadow demo`` and ``shadow run`` use; ``python -m shadow doctor`` renders them.
+  pick the one ``shadow demo`` uses; ``python -m shadow doctor`` renders them.
 - ``dispatch``: ``kernel_source(func, device)`` and ``cpu_fallback(func, device)``: whether an op has a
   kernel of the device's own or runs through the backend's CPU fallback.
 - ``numerics``: ``numerics_settings()``, the process-wide switches that change a device's arithmetic.

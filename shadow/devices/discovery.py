@@ -3,8 +3,8 @@
 ``discover()`` probes each backend (cpu, cuda, mps, xpu, directml) and returns one ``Backend`` record
 each: available or not, the reason in plain words, the torch device, its name and whether it computes
 in float64. It never raises: a broken backend (a native library that fails to load, a driver error) is
-a finding, reported in ``reason``. ``choose()`` picks the device ``shadow demo`` and ``shadow run``
-use; ``python -m shadow doctor`` renders all of it.
+a finding, reported in ``reason``. ``choose()`` picks the device ``shadow demo`` uses; ``python -m shadow
+doctor`` renders all of it.
 
 >>> [b.name for b in discover() if b.available]          # on a machine without GPU
 ['cpu']
@@ -31,7 +31,7 @@ import torch
 from .. import _compat
 
 BACKENDS = ("cpu", "cuda", "mps", "xpu", "directml")  # probed and listed in this order
-PREFERENCE = ("cuda", "mps", "xpu", "directml", "cpu")  # demo and run take the first available
+PREFERENCE = ("cuda", "mps", "xpu", "directml", "cpu")  # demo takes the first available
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def discover() -> list[Backend]:
 
 
 def choose(backends: list[Backend] | None = None) -> Backend:
-    """The backend ``shadow demo`` and ``shadow run`` use: the first available in ``PREFERENCE``."""
+    """The backend ``shadow demo`` uses: the first available in ``PREFERENCE``."""
     backends = discover() if backends is None else backends
     by_name = {b.name: b for b in backends}
     for name in PREFERENCE:
