@@ -27,6 +27,8 @@ class Aggregate:
     calls: int = 0
     kinds: dict[str, int] = dataclasses.field(default_factory=dict)
     max_local_ulp: float = 0.0
+    max_local_ulp_nonzero: float = 0.0  # ... over elements whose reference is not exactly 0
+    zero_reference_calls: int = 0  # calls with references exactly 0 where the device is not (local)
     max_local_abs: float = 0.0
     max_drift_rel: float = 0.0
     max_drift_ulp: float = 0.0
@@ -48,6 +50,8 @@ class Aggregate:
         self.kinds[rec.kind] = self.kinds.get(rec.kind, 0) + 1
         if rec.local is not None:
             self.max_local_ulp = max(self.max_local_ulp, rec.local.max_ulp)
+            self.max_local_ulp_nonzero = max(self.max_local_ulp_nonzero, rec.local.ulp_nonzero)
+            self.zero_reference_calls += rec.local.zero_reference > 0
             self.max_local_abs = max(self.max_local_abs, rec.local.max_abs)
         if rec.drift is not None:
             self.max_drift_rel = max(self.max_drift_rel, rec.drift.rel_norm)
@@ -194,7 +198,9 @@ class Report:
         worst drift.
 
         columns: calls, the result dtypes (only when the run mixes floating dtypes, as under autocast), max
-        local ulp, max budget used (``!``: some call over budget), the fewest effective bits of a call (``-``:
+        local ulp (over elements whose reference is not 0; ``z``: some reference is exactly 0 where the device
+        is not, whose error is in abs and the budget), max budget used (``!``: some call over budget; ``-``: only
+        default budgets), the fewest effective bits of a call (``-``:
         exact or no budget; a long TF32 matmul within its worst-case budget still reads ~10 here), max drift
         rel_norm, flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
         untrustworthy (``!`` marks rows with any)."""
@@ -202,7 +208,8 @@ class Report:
         if by not in tables:
             raise ValueError(f"table(by={by!r}): expected one of {sorted(tables)}")
         rows = sorted(tables[by].items(),
-                      key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp, -kv[1].max_drift_rel, kv[0]))
+                      key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero, -kv[1].max_drift_rel,
+                                      kv[0]))
         if top is not None:
             if isinstance(top, bool) or not isinstance(top, int) or top < 0:
                 raise ValueError(f"table(top={top!r}): expected None (every row) or an int >= 0")
@@ -217,7 +224,7 @@ class Report:
         lines = [head, "-" * len(head)]
         for key, a in rows:
             lines.append(
-                f"{key or '(none)':<{name_w}}  {a.calls:>6}{dtype_col(dtypes[key])}  {_fmt(a.max_local_ulp):>10}"
+                f"{key or '(none)':<{name_w}}  {a.calls:>6}{dtype_col(dtypes[key])}  {_ulp_cell(a):>10}"
                 f"  {_budget_cell(a):>8}"
                 f"  {'-' if math.isinf(a.min_effective_bits) else f'{a.min_effective_bits:.1f}':>5}"
                 f"  {_fmt(a.max_drift_rel):>10}"
@@ -348,6 +355,12 @@ def _encode(x: Any) -> Any:
     return x
 
 
+def _ulp_cell(a: Aggregate) -> str:
+    """max local ulp over elements whose reference is not 0; ``z`` marks rows where some reference is exactly 0
+    and the device is not (the ulp at 0 is subnormal: 1e30+ for any error; read abs and the budget there)."""
+    return _fmt(a.max_local_ulp_nonzero) + (" z" if a.zero_reference_calls else "")
+
+
 def _budget_cell(a: Aggregate) -> str:
     """max budget used, ``!`` when a call was over it; ``-`` when no call had a rule's budget (a 0 would read
     as perfect)."""
@@ -374,6 +387,7 @@ def _aggregate(d: dict) -> Aggregate:
     d = numbers(d)
     if "over_budget" in d:  # version 3
         d["over_budget_calls"] = d.pop("over_budget")
+    d.setdefault("max_local_ulp_nonzero", d.get("max_local_ulp", 0.0))  # before version 4
     if "budgeted_calls" not in d and "max_budget_used" in d:  # version 3 did not count them: its table's figure
         d["budgeted_calls"] = d.get("calls", 0)
     return Aggregate(**d)

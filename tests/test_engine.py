@@ -611,3 +611,21 @@ def test_report_queries_validate_and_accept_short_names():
     rows = {line.split()[0]: line.split() for line in rep.table().splitlines()[2:]}
     assert rows["aten.histc.default"][3] == "-"  # only a default budget: not a perfect 0
     assert rows["aten.mm.default"][3] != "-" and rep.by_op["aten.histc.default"].budgeted_calls == 0
+
+
+def test_exact_zero_references_are_flagged_not_read_as_1e44_ulp():
+    # float32 sums 1e8 + 1 - 1e8 - 1 to -1 (1e8 + 1 rounds to 1e8); the exact value, and float64's, is 0
+    x = torch.tensor([[1e8, 1.0, -1e8, -1.0]] * 3)
+    w = torch.ones(4, 1)
+    with ShadowMode() as sm:
+        y = x @ w
+    assert torch.equal(y, torch.full((3, 1), -1.0))
+    (rec,) = records(sm, "aten.mm.default")
+    # the ulp at an exact 0 is float32's subnormal spacing 2**-149: 1 / 2**-149 = 7.1e44, by definition
+    assert rec.local.max_ulp == 2.0**149 and rec.local.max_abs == 1.0
+    assert rec.local.zero_reference == 3 and rec.local.max_ulp_nonzero == 0.0  # every element: reference 0
+    assert 0 < rec.budget.used < 0.05  # gamma_4 * sum|terms| = 4 * 2**-24 * 2e8 / (1 - ...) ~ 48: 1.0 is 2 %
+    row = next(line for line in sm.report.table().splitlines() if line.startswith("aten.mm.default"))
+    assert row.split()[2:4] == ["0", "z"] and "e+44" not in row
+    back = shadow.Report.from_dict(json.loads(json.dumps(sm.report.to_dict())))
+    assert back.records[-1].local.zero_reference == 3 and back.by_op["aten.mm.default"].zero_reference_calls == 1
