@@ -1,8 +1,8 @@
 """How each aten op is recomputed in float64: the rule table (``table``), the rules for views,
 uninitialized memory and randomness (``rules``), and fused device kernels with no float64 CPU kernel
-(``kernels``)."""
+(``attention``: the scaled-dot-product-attention family; ``kernels``: oneDNN LSTM)."""
 
-from . import kernels, rules  # noqa: F401  (their rules register in the table)
+from . import attention, kernels, rules  # noqa: F401  (their rules register in the table)
 from .rules import EMPTY_OPS, view_rule
 from .table import REPLAY, Replay, default_rule, register_predicate, register_rule
 
