@@ -33,6 +33,10 @@ from .spot import SpotPolicy, SpotStats
 
 _INF = math.inf
 _no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
+# Nested tensors have a shape per component and no strides: the mirror cannot hold their shadows (test_nested.py)
+_NESTED = ("nested tensor {}: shadow mirrors dense tensors only (nested tensors come from torch.nested, or from "
+           "nn.TransformerEncoder's fast path for padded batches in eval mode); build the encoder with "
+           "enable_nested_tensor=False, or run it in training mode or without src_key_padding_mask, to shadow it")
 
 
 class _NoValues(Exception):
@@ -189,7 +193,7 @@ class Engine:
         m = self.mirror
         for spec, t in plan.tensors(args, kwargs):
             if t.device.type != "meta" and m.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
-                    and t.layout == torch.strided:
+                    and t.layout == torch.strided and not t.is_nested:
                 e = self._entry(plan, t)
                 if spec.index in plan.declared_writes:
                     m.note_write(e)
@@ -252,6 +256,8 @@ class Engine:
             raise _NoValues
         if t.layout != torch.strided:  # sparse (COO, CSR...) and mkldnn tensors have no strided storage to mirror
             raise Unsupported(p.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
+        if t.is_nested:
+            raise Unsupported(p.plan.name, _NESTED.format("argument"))
         m = self.mirror
         sd = m.shadow_dtype(t.dtype)
         if sd is None:  # discrete, following the device: its values, never written back
@@ -375,6 +381,8 @@ class Engine:
             return Compared()
         if dev.layout != torch.strided:  # a sparse result (to_sparse): no strided storage to mirror
             raise Unsupported(p.plan.name, f"{dev.layout} result: shadow mirrors strided tensors only")
+        if dev.is_nested:
+            raise Unsupported(p.plan.name, _NESTED.format("result"))
         if sh.shape != dev.shape:  # a data-dependent shape the shadow did not reproduce: the device's adopted
             return Compared(mismatch=1, exact=True, keep=self.mirror.upcast(dev) if sd is not None else None)
         if shadow_dtype_of(dev.dtype) is None:  # discrete result
@@ -475,7 +483,7 @@ class Engine:
         targets = [t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)]
         for t in targets:
             if isinstance(t, torch.Tensor) and not t._is_zerotensor() and m.shadow_dtype(t.dtype) is not None \
-                    and t.layout == torch.strided:  # sparse results have no storage to mirror
+                    and t.layout == torch.strided and not t.is_nested:  # sparse and nested results: not mirrored
                 m.assign(t, m.upcast(t), exact=True, fresh=True)
 
     def _internal_error(self, plan: OpPlan, args, kwargs, out, exc: Exception) -> None:
@@ -498,7 +506,8 @@ class Engine:
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
         if result is False:
             result = _first_tensor(plan, args, kwargs, out)
-        dtype, shape = (_dtype_name(result.dtype), tuple(result.shape)) if result is not None else ("", ())
+        dtype, shape = ("", ()) if result is None else \
+            (_dtype_name(result.dtype), () if result.is_nested else tuple(result.shape))  # nested: no one shape
         if verdict is None:
             rec = Record(self._index, plan.name, module, phase, kind, reason=reason, item=item, cpu_fallback=fallback,
                          cpu=cpu, dtype=dtype, shape=shape)
