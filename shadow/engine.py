@@ -65,6 +65,7 @@ class Prepared:
     pre: Args | None = None  # the local reference's inputs as before the op (budgets, spot checks)
     cpu: Args | None = None  # compare_cpu: the device's inputs on the CPU, in their own dtypes
     exact: bool = True  # every shadow input equals the device's: local error = drift
+    nonfinite_in: bool = False  # some input's storage holds a NaN or an infinity
     inputs: list[torch.Tensor] | None = None  # device tensors read (naming)
     storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
@@ -110,6 +111,7 @@ class Compared:
     mismatch: int = 0  # 1: a shape the shadow did not reproduce (the device's value is adopted)
     exact: bool = False  # the shadow equals the device's value: the mirror entry stays exact
     keep: Any = None  # the shadow value to commit (None: nothing to commit)
+    nonfinite: bool = False  # the device's value holds a NaN or an infinity
 
 
 @dataclasses.dataclass(slots=True)
@@ -266,6 +268,7 @@ class Engine:
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
             return torch.zeros(t.shape, dtype=sd)
         e = self._entry(p.plan, t)
+        p.nonfinite_in = p.nonfinite_in or e.nonfinite
         if declared:
             m.note_write(e)
         p.exact = p.exact and e.exact
@@ -296,7 +299,7 @@ class Engine:
         cpu = self._cpu_error(p, outputs) if p.cpu is not None and kind is not Kind.RANDOM else None
         result = next((o.device for o in outputs.items if isinstance(o.device, torch.Tensor)), None)
         self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs, cpu=cpu,
-                     result=result)
+                     result=result, nonfinite_in=p.nonfinite_in)
 
     def _outputs(self, p: Prepared, args, kwargs, out, souts, louts) -> Outputs:
         """Written arguments (in-place, out=), then fresh returns, then an .item()-like number. Slots follow
@@ -408,6 +411,7 @@ class Engine:
                     (_INF if c.local.max_abs else 0.0)
         if self.opt.drift:
             c.drift = dataclasses.replace(st, budget_used=None) if shared and st.budget_used is not None else st
+        c.nonfinite = (st or c.local).device_nonfinite > 0 if (st or c.local) is not None else False
         return c
 
     def _budget(self, p: Prepared, outputs: Outputs) -> Budget | None:
@@ -468,11 +472,12 @@ class Engine:
             return
         m, dev = self.mirror, o.device
         if c.mismatch:  # the device's value, adopted
-            m.assign(dev, c.keep, exact=True, fresh=True)
+            m.assign(dev, c.keep, exact=True, fresh=True, nonfinite=not bool(torch.isfinite(dev).all()))
         elif o.written:
-            m.commit_write(dev, c.keep, c.exact)
+            m.commit_write(dev, c.keep, c.exact, c.nonfinite)
         else:
-            e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages)
+            e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
+                         nonfinite=c.nonfinite)
             if shadow_dtype_of(dev.dtype) is not None:
                 m.unobserved_write(dev, e)  # start tracking the new output's version counter
 
@@ -500,7 +505,8 @@ class Engine:
         self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=reason)
 
     def _record(self, plan: OpPlan, kind: Kind, args, kwargs, out, *, verdict: Verdict | None = None, item=None,
-                reason: str = "", inputs=(), cpu: ErrorStats | None = None, result: Any = False) -> None:
+                reason: str = "", inputs=(), cpu: ErrorStats | None = None, result: Any = False,
+                nonfinite_in: bool = False) -> None:
         """``result``: the call's first tensor result, when the caller knows it (False: look it up)."""
         module, phase = self.attr.where(inputs)
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
@@ -514,7 +520,7 @@ class Engine:
         else:
             v = verdict
             rec = Record(self._index, plan.name, module, phase, kind, v.local, v.drift, v.flips, v.local_flips,
-                         v.mismatch, item, reason, v.spot, v.budget, fallback, cpu, dtype, shape)
+                         v.mismatch, item, reason, v.spot, v.budget, fallback, cpu, dtype, shape, nonfinite_in)
         self._index += 1
         self.report.add(rec)
 

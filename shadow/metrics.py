@@ -20,7 +20,8 @@ class ErrorStats:
     ``max_ulp`` is in units of the device dtype's spacing at the reference value; ``rel_norm`` is
     ``||y - r||_2 / ||r||_2`` of the worst output. Non-finite elements are counted apart and left out
     of the other figures: ``nonfinite_device`` where the device is NaN/Inf and the reference finite,
-    ``nonfinite_reference`` the reverse, ``nonfinite_mismatch`` where both are non-finite but differ.
+    ``nonfinite_reference`` the reverse, ``nonfinite_mismatch`` where both are non-finite but differ,
+    ``nonfinite_agreed`` where both are the same NaN or infinity (no error: the math itself is non-finite).
 
     A reference that is exactly 0 where the device is not (the gradient of ``sum(BatchNorm(x))``) has the
     subnormal spacing as its ulp, so any error there reads 1e30+ ulp: honest, but no measure of accuracy.
@@ -35,6 +36,7 @@ class ErrorStats:
     nonfinite_device: int = 0
     nonfinite_reference: int = 0
     nonfinite_mismatch: int = 0
+    nonfinite_agreed: int = 0  # non-finite in both, alike: not an error, but where NaN/Inf is born or flows
     norm: float = 0.0  # ||y - r||_2 over the finite elements (all outputs)
     budget_used: float | None = None  # max(abs / bound) under the op's budget (shadow.budgets); > 1: over
     effective_bits: float | None = None  # mantissa bits that explain the error under the budget's scale
@@ -44,6 +46,16 @@ class ErrorStats:
     @property
     def nonfinite(self) -> int:
         return self.nonfinite_device + self.nonfinite_reference + self.nonfinite_mismatch
+
+    @property
+    def device_nonfinite(self) -> int:
+        """Elements where the device result is NaN or infinite (whatever the reference is)."""
+        return self.nonfinite_device + self.nonfinite_mismatch + self.nonfinite_agreed
+
+    @property
+    def reference_nonfinite(self) -> int:
+        """Elements where the float64 reference is NaN or infinite."""
+        return self.nonfinite_reference + self.nonfinite_mismatch + self.nonfinite_agreed
 
     @property
     def ulp_nonzero(self) -> float:
@@ -68,6 +80,7 @@ class ErrorStats:
         self.nonfinite_device += other.nonfinite_device
         self.nonfinite_reference += other.nonfinite_reference
         self.nonfinite_mismatch += other.nonfinite_mismatch
+        self.nonfinite_agreed += other.nonfinite_agreed
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,7 +234,9 @@ def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int, bl: list | N
                 stats.nonfinite_reference += 1
                 continue
             else:
-                stats.nonfinite_mismatch += not (a == b or (a != a and b != b))
+                same = a == b or (a != a and b != b)
+                stats.nonfinite_mismatch += not same
+                stats.nonfinite_agreed += same
                 continue
         m = max(m, d)
         nd2 += d * d
@@ -328,6 +343,7 @@ def _count_nonfinite(stats: ErrorStats, y: Any, r: Any, isfinite, isnan, count) 
     stats.nonfinite_device = count(~fy & fr)
     stats.nonfinite_reference = count(fy & ~fr)
     stats.nonfinite_mismatch = count(~fy & ~fr & ~same)
+    stats.nonfinite_agreed = count(~fy & ~fr & same)
     return fy & fr
 
 

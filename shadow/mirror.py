@@ -28,9 +28,10 @@ def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
 
 
 class _Entry:
-    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes")
+    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes", "nonfinite")
 
-    def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int):
+    def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
+                 nonfinite: bool):
         self.wref = StorageWeakRef(storage)
         self.key = storage._cdata
         self.base = base  # 1-D shadow of the whole storage
@@ -39,6 +40,7 @@ class _Entry:
         self.nbytes = storage.nbytes()
         self.exact = exact  # the shadow equals the device's values exactly
         self.writes = writes  # writes seen through ops that bump the version counter
+        self.nonfinite = nonfinite  # the device's values hold a NaN or an infinity (as far as shadow saw)
 
 
 def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,16 @@ def _as_pair(base: torch.Tensor, itemsize: int, t: torch.Tensor) -> torch.Tensor
             and base.numel() % 2 == 0:
         return torch.view_as_complex(base.view(-1, 2))
     return None
+
+
+def _nonfinite(values: torch.Tensor) -> bool:
+    return values.numel() > 0 and not bool(torch.isfinite(values).all())
+
+
+def _still_nonfinite(e: _Entry, t: torch.Tensor, written: bool) -> bool:
+    """Whether a storage holds a NaN/Inf after ``t`` (non-finite or not: ``written``) was written into it: a write
+    over the whole storage decides; a partial one keeps what the rest held."""
+    return written if t.numel() * t.element_size() == e.nbytes else (e.nonfinite or written)
 
 
 def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> None:
@@ -143,8 +155,10 @@ class Mirror:
         elif old.itemsize == itemsize and old.nbytes < st.nbytes():
             # the storage grew in place (resize_, out= resizing): its old contents are kept, so is their shadow
             base[: old.base.numel()] = old.base
-            return self._keep(st, _Entry(st, base, itemsize, exact=old.exact, writes=old.writes))
-        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes if old is not None else 0))
+            return self._keep(st, _Entry(st, base, itemsize, exact=old.exact, writes=old.writes,
+                                         nonfinite=old.nonfinite or _nonfinite(base)))
+        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes if old is not None else 0,
+                                     nonfinite=_nonfinite(base)))
 
     def _keep(self, st: torch.UntypedStorage, e: _Entry) -> _Entry:
         self._put(st._cdata, e)
@@ -163,11 +177,12 @@ class Mirror:
             self.sweep()
 
     # --- writing ---
-    def assign(self, t: torch.Tensor, value: torch.Tensor, exact: bool, fresh: bool) -> _Entry:
+    def assign(self, t: torch.Tensor, value: torch.Tensor, exact: bool, fresh: bool, nonfinite: bool = False) -> _Entry:
         """Make ``value`` the shadow of device tensor t (an op's output).
 
         ``fresh``: value is a new tensor no other shadow aliases, so it can become the storage shadow
-        without a copy when t covers its whole storage contiguously."""
+        without a copy when t covers its whole storage contiguously. ``nonfinite``: t holds a NaN or an
+        infinity."""
         st = t.untyped_storage()
         key = st._cdata
         e = self._entries.get(key)
@@ -177,6 +192,7 @@ class Mirror:
             if b is not None:
                 _write_region(b, t, value)
                 e.exact = e.exact and exact
+                e.nonfinite = _still_nonfinite(e, t, nonfinite)
                 return e
         n = st.nbytes() // itemsize
         sd = self.shadow_dtype(t.dtype)
@@ -193,9 +209,11 @@ class Mirror:
         else:  # the output does not cover its storage: the rest is what the device holds
             base = _storage_values(t, n).to(device="cpu", dtype=sd, copy=True)
             _write_region(base, t, value)
-        return self._keep(st, _Entry(st, base, itemsize, exact, e.writes if e is not None else 0))
+        covers = t.numel() == n
+        return self._keep(st, _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
+                                     nonfinite if covers else nonfinite or _nonfinite(_storage_values(t, n))))
 
-    def commit_write(self, t: torch.Tensor, shadow_view: torch.Tensor, exact: bool) -> None:
+    def commit_write(self, t: torch.Tensor, shadow_view: torch.Tensor, exact: bool, nonfinite: bool = False) -> None:
         """After an op wrote device tensor t and its replay wrote ``shadow_view``: keep the result.
 
         Usually the replay wrote into the storage shadow already; when the op moved or resized t's
@@ -212,8 +230,9 @@ class Mirror:
             and shadow_view.storage_offset() == t.storage_offset()
         ):
             e.exact = e.exact and exact
+            e.nonfinite = _still_nonfinite(e, t, nonfinite)
             return
-        self.assign(t, shadow_view, exact, fresh=False)
+        self.assign(t, shadow_view, exact, fresh=False, nonfinite=nonfinite)
 
     # --- versions: writes shadow did not see ---
     def note_write(self, e: _Entry) -> None:

@@ -82,6 +82,7 @@ class Record:
     cpu: ErrorStats | None = None  # compare_cpu=True: the CPU kernel's own error, same dtype, same reference
     dtype: str = ""  # the device result's dtype ("torch.bfloat16"; the first tensor result's; "" if none)
     shape: tuple[int, ...] = ()  # ... and its shape
+    inputs_nonfinite: bool = False  # some input held a NaN or an infinity: non-finite outputs flow from there
 
     @property
     def cpu_ratio(self) -> float | None:
@@ -102,7 +103,20 @@ class Record:
 
     @property
     def nonfinite(self) -> int:
+        """Elements where device and shadow disagree on NaN/Inf (drift)."""
         return self.drift.nonfinite if self.drift is not None else 0
+
+    @property
+    def nonfinite_cause(self) -> str | None:
+        """Why this call's device result holds NaN or Inf: "propagated" (an input held one), "math" (the float64
+        replay on the same inputs is non-finite too: log of a negative number, 0/0), "precision" (the float64
+        replay is finite there: an overflow or underflow of the device dtype); None when it holds none."""
+        stats = self.local if self.local is not None else self.drift
+        if stats is None or not stats.device_nonfinite:
+            return None
+        if self.inputs_nonfinite:
+            return "propagated"
+        return "precision" if stats.nonfinite_device else "math"
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

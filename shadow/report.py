@@ -170,6 +170,16 @@ class Report:
         """The first kept call where device and shadow disagree on NaN/Inf."""
         return next((r for r in self.records if r.nonfinite or (r.local is not None and r.local.nonfinite)), None)
 
+    def nonfinite_origin(self) -> Record | None:
+        """Where NaN/Inf is born: the first kept call whose device result holds a NaN or an infinity while none
+        of its inputs did. ``rec.nonfinite_cause`` tells a math problem ("math": float64 gives NaN there too)
+        from a precision one ("precision": float64 is finite); later calls fed by it say "propagated".
+
+        >>> rec = rep.nonfinite_origin(); rec.op, rec.module, rec.nonfinite_cause   # doctest: +SKIP
+        ('aten.log.default', 'Net.bad', 'math')
+        """
+        return next((r for r in self.records if r.nonfinite_cause in ("math", "precision")), None)
+
     def records_over_budget(self) -> list[Record]:
         """Kept calls whose local error exceeds the op's error budget, worst first: kernels less accurate
         than the dtype allows (reduced-precision accumulation, TF32, approximate functions, bugs)."""

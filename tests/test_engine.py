@@ -629,3 +629,43 @@ def test_exact_zero_references_are_flagged_not_read_as_1e44_ulp():
     assert row.split()[2:4] == ["0", "z"] and "e+44" not in row
     back = shadow.Report.from_dict(json.loads(json.dumps(sm.report.to_dict())))
     assert back.records[-1].local.zero_reference == 3 and back.by_op["aten.mm.default"].zero_reference_calls == 1
+
+
+# --- where NaN/Inf is born ---
+def test_nonfinite_origin_tells_a_math_nan_from_a_precision_one():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.log(self.fc(x)).sum()  # some outputs of fc are negative: log gives NaN in any precision
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 4)
+    with ShadowMode() as sm:
+        loss = net(x)
+        loss.backward()
+    assert math.isnan(loss.item()) and math.isnan(sm.shadow_of(loss).item())
+    assert sm.report.first_nonfinite() is None  # device and shadow agree: no disagreement to report...
+    origin = sm.report.nonfinite_origin()  # ...but the NaN was born somewhere
+    assert (origin.op, origin.module, origin.nonfinite_cause) == ("aten.log.default", "Net", "math")
+    assert records(sm, "aten.sum.default")[0].nonfinite_cause == "propagated"
+
+    logits = torch.tensor([[100.0, 1.0], [1.0, 2.0]])  # exp(100) overflows float32, not float64
+    with ShadowMode() as sm:
+        e = torch.exp(logits)
+        p = e / e.sum(-1, keepdim=True)
+    origin = sm.report.nonfinite_origin()
+    assert (origin.op, origin.nonfinite_cause, origin.local.nonfinite_device) == ("aten.exp.default", "precision", 1)
+    assert [r.nonfinite_cause for r in records(sm, "aten.div.Tensor")] == ["propagated"]
+    assert torch.isfinite(sm.shadow_of(p)).all() and p.isnan().sum() == 1
+
+
+def test_nonfinite_inputs_from_outside_are_not_an_origin():
+    x = torch.tensor([1.0, float("nan"), 3.0])  # the user's data holds a NaN before shadow sees it
+    with ShadowMode() as sm:
+        y = x * 2.0
+        z = y.sum()
+    assert [r.nonfinite_cause for r in sm.report.records] == ["propagated", "propagated"]
+    assert sm.report.nonfinite_origin() is None
