@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -352,7 +352,14 @@ class Engine:
         (``budget_used``: max |error| / bound, or max_ulp / ulps for budgets in ulps), its effective bits, and
         the spot check of the reference, whose untrusted elements are replaced by their exact values first."""
         budget = self._budget(p, outputs) if p.pre is not None and self.opt.budgets and self.opt.local else None
-        spot = self._spot_check(p, out, refs, outputs.dtype, budget) if p.spot else None
+        if p.spot:  # a sum's bound ranks the samples: built before the check, from the reference as it was
+            if budget is not None and budget.of_sum:
+                budget = self._guarded(p, budget, lambda: budget.bound)
+            spot = self._spot_check(p, out, refs, outputs.dtype, budget)
+        else:
+            spot = None
+        if budget is not None and budget.ulps is None:  # bounds are built lazily: a rule's failure costs the budget
+            budget = self._guarded(p, budget, lambda: budget.bound)
         compared = []
         for o in outputs.items:
             if isinstance(o.device, torch.Tensor):
@@ -369,7 +376,7 @@ class Engine:
         info = None
         if budget is not None and local is not None:
             if local.norm > 0:
-                local.effective_bits = budget.bits(local.norm ** 2)
+                local.effective_bits = self._guarded(p, None, lambda: budget.bits(local.norm ** 2))
             info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
         flips = local_flips = mismatch = 0
         for c in compared:
@@ -421,11 +428,17 @@ class Engine:
         if not refs:
             return None
         slots = [refs.get(i) for i in range(max(outputs.slots, max(refs) + 1))]  # None where an output is absent
+        return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype))
+
+    def _guarded(self, p: Prepared, value: Any, build: Callable[[], Any]) -> Any:
+        """``value`` once ``build()`` succeeded (``build()``'s result when value is None); None when a budget
+        rule failed in it: its bug must not cost the op its error figures (counted, visible in the coverage)."""
         try:
-            return budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype)
-        except Exception as exc:  # a budget rule's bug must not cost the op its error figures: counted, visible
+            built = build()
+        except Exception as exc:
             self.report.internal_error(f"budget of {p.plan.name}", f"internal error: {type(exc).__name__}: {exc}"[:240])
             return None
+        return built if value is None else value
 
     def _spot_check(self, p: Prepared, out: Any, refs: Any, dtype: torch.dtype, budget: Budget | None):
         """mpmath check of sampled elements of the float64 reference the local error is measured against;

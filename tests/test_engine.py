@@ -669,3 +669,21 @@ def test_nonfinite_inputs_from_outside_are_not_an_origin():
         z = y.sum()
     assert [r.nonfinite_cause for r in sm.report.records] == ["propagated", "propagated"]
     assert sm.report.nonfinite_origin() is None
+
+
+def test_a_budget_rule_that_fails_lazily_costs_the_budget_not_the_op():
+    from shadow import budgets
+
+    def broken(c):
+        return c.budget("elementwise", lambda: 1 / 0)  # the bound is built lazily, when first read
+
+    x = torch.randn(64)
+    with budgets.BUDGETS.scoped():
+        budgets.register_budget(aten.histc.default)(broken)  # no rule of its own: the default budget otherwise
+        with ShadowMode() as sm:
+            y = torch.histc(x, bins=4)
+    (rec,) = records(sm, "aten.histc.default")
+    assert rec.kind == "replayed" and rec.local is not None and rec.budget is None
+    assert rec.local.max_abs == 0 and torch.equal(sm.shadow_of(y), y.double())
+    assert "ZeroDivisionError" in sm.report.coverage.unsupported["budget of aten.histc.default"]
+    assert sm.report.coverage.internal_errors == 1
