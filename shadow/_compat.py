@@ -10,6 +10,8 @@ a reason computed from what is missing (``hasattr(aten, "_safe_softmax")``), not
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Device types whose dispatch key is not their name capitalized (torch < 2.1 had no
@@ -53,3 +55,16 @@ def _undeclared_writes() -> dict:
 
 
 UNDECLARED_WRITES = _undeclared_writes()
+
+
+# --- torch.compile under a dispatch mode ---
+@functools.cache
+def compile_skips_dispatch_modes() -> bool:
+    """Whether dynamo skips frames while a dispatch mode is active, so a compiled module runs eagerly under
+    shadow (recent torch: 2.13's convert_frame asks ``any_torch_dispatch_mode_on_stack``). torch 2.4 runs the
+    compiled code: its fused kernels write outputs without dispatching, so shadow never sees them."""
+    import torch._dynamo.convert_frame as convert_frame  # only asked once a compiled module ran: dynamo is loaded
+
+    return any(hasattr(convert_frame, name) for name in (
+        "any_torch_dispatch_mode_on_stack", "is_in_any_mode_without_ignore_compile_internals",
+        "is_in_torch_dispatch_mode"))

@@ -8,36 +8,76 @@ mapped to the parameter's dotted name so optimizer ops are charged to it.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from .plan import ArgType, flat_returns, plan_of
 from .records import Phase
 
 
 class _Tracker(ModuleTracker):
-    """ModuleTracker, except that a module's backward exit is hooked on its non-leaf inputs only: torch's own
-    hooks leaf inputs too, and ``torch.autograd.grad`` with such a leaf then raises into the user's program
-    ("A leaf node was passed to _will_engine_execute_node", pytorch/pytorch#131753). Cost: a module whose
-    inputs are all leaves stays among ``parents`` until the engine's end-of-backward callback clears them."""
+    """ModuleTracker with two changes to its backward hooks.
 
-    on_compiled: Callable[[str], None] | None = None  # called with the name of a compiled module about to run
+    A module's backward exit is hooked on its non-leaf inputs only: torch's own hooks leaf inputs too, and
+    ``torch.autograd.grad`` with such a leaf then raises into the user's program ("A leaf node was passed to
+    _will_engine_execute_node", pytorch/pytorch#131753). Cost: a module whose inputs are all leaves stays among
+    ``parents`` until the engine's end-of-backward callback clears them.
+
+    A pass-through (``nn.Identity``, ``nn.Dropout(p=0)``, a residual's skip) returns its input's own autograd
+    edge: torch hooks its backward exit and entry on that one edge, where both fire at once, exit first, so the
+    module was entered and never left, and every backward op upstream was charged to it. Here an output is
+    hooked only where its edge is not an input's, and a module with no such output has no backward at all:
+    its exit hook is removed."""
+
+    on_compiled: Callable[[str, torch.nn.Module], None] | None = None  # a compiled module about to run: its name
+
+    def __init__(self) -> None:
+        super().__init__()
+        # module -> per running call (nested calls stack): its exit hook and its inputs' autograd edges
+        self._calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _fw_pre_hook(self, mod, input) -> None:
         name = self._get_mod_name(mod)
         if self.on_compiled is not None and _compiled(mod):
-            self.on_compiled(name)
+            self.on_compiled(name, mod)
         self._get_append_fn(name, False)()
-        args, _ = tree_flatten(input)
-        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None]
-        if tensors:
-            handle = register_multi_grad_hook(tensors, self._get_pop_fn(name, True))
-            if hasattr(self, "_hooks"):  # torch >= 2.5 removes them on exit; 2.4 keeps none
-                self._hooks.append(handle)
+        inputs = _needing_grad(input)
+        exit_hook = self._hook([a for a in inputs if a.grad_fn is not None], self._get_pop_fn(name, True))
+        self._calls.setdefault(mod, []).append((exit_hook, {_edge(a) for a in inputs}))
+
+    def _fw_post_hook(self, mod, input, output) -> None:
+        name = self._get_mod_name(mod)
+        self._get_pop_fn(name, False)()
+        calls = self._calls.get(mod)  # none: the tracker was entered during this module's forward
+        exit_hook, inputs = calls.pop() if calls else (None, set())
+        if not self._hook([a for a in _needing_grad(output) if _edge(a) not in inputs], self._get_append_fn(name, True)):
+            if exit_hook is not None:
+                exit_hook.remove()
+
+    def _hook(self, tensors: list[torch.Tensor], fn: Callable) -> Any:
+        """``fn`` once the gradients of ``tensors`` are computed (None: no tensors, no hook)."""
+        if not tensors:
+            return None
+        handle = register_multi_grad_hook(tensors, fn)
+        if hasattr(self, "_hooks"):  # torch >= 2.5 removes them on exit; 2.4 keeps none
+            self._hooks.append(handle)
+        return handle
+
+
+def _needing_grad(value: Any) -> list[torch.Tensor]:
+    return [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def _edge(t: torch.Tensor) -> tuple:
+    """The autograd edge a tensor's gradient flows into: an in-place op gives the same tensor a new one."""
+    return (t.grad_fn, t.output_nr) if t.grad_fn is not None else (None, id(t))
 
 
 def _compiled(mod: torch.nn.Module) -> bool:
@@ -65,64 +105,156 @@ def _common_prefix(names: list[str]) -> str:
     return ".".join(out)
 
 
-class Attribution:
-    """Tracks the current module and phase while a ShadowMode is active."""
+class _StepNames:
+    """Storage -> parameter name while optimizer steps run, so that each op of a step is charged to the parameter
+    it updates. Known at the step's start: each parameter, its gradient and its optimizer state. Learnt during the
+    step: state the step creates (the first step creates it all), and every fresh output, which takes the name
+    of the op that made it, so temporaries (``exp_avg_sq.sqrt()``, then ``.add_(eps)`` on it) and foreach
+    intermediate lists (element by element) keep their parameter's name. An op that touches no named storage
+    (a constant such as a new step counter) is charged to the common prefix of the stepping optimizers'
+    parameters."""
 
-    def __init__(self, on_compiled: Callable[[str], None] | None = None) -> None:
-        self._tracker = _Tracker()
-        self._tracker.on_compiled = on_compiled
-        self._optimizer_depth = 0
-        self._param_names: dict[int, str] = {}  # storage address -> parameter name, during a step
-        self._handles: list = []
+    def __init__(self, tracker: _Tracker) -> None:
+        self._tracker = tracker
+        self.reset()
 
-    def __enter__(self) -> Attribution:
-        self._tracker.__enter__()
-        self._handles = [
-            register_optimizer_step_pre_hook(self._step_pre),
-            register_optimizer_step_post_hook(self._step_post),
-        ]
-        return self
+    def reset(self) -> None:
+        self.optimizers: list[torch.optim.Optimizer] = []  # whose step() is running (a step may call another's)
+        self.current = ""  # the name of the op being dispatched
+        self._params: dict[int, str] = {}  # id(parameter) -> its name
+        self._storages: dict[int, str] = {}  # storage -> parameter name
+        self._state_sizes: dict[int, int] = {}  # id(parameter) -> entries of its state when last read
+        self._fallback = ""
 
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._tracker.__exit__(*exc)
-
-    def _step_pre(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
-        self._optimizer_depth += 1
-        self._param_names = self._names_for(opt)
-
-    def _step_post(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
-        self._optimizer_depth = max(0, self._optimizer_depth - 1)
-        if not self._optimizer_depth:
-            self._param_names = {}
-
-    def _names_for(self, opt: torch.optim.Optimizer) -> dict[int, str]:
+    def begin(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.append(opt)
         known = getattr(self._tracker, "_known_modules", {})  # module -> dotted name, from forward passes
         by_param: dict[int, str] = {}
         for mod, fqn in list(known.items()):
             for pname, p in mod.named_parameters(recurse=False):
                 by_param.setdefault(id(p), f"{fqn}.{pname}")
-        names: dict[int, str] = {}
         for group in opt.param_groups:
             for p in group["params"]:
                 name = by_param.get(id(p))
-                if name is None:
-                    continue
-                related = [p, p.grad] + [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-                for t in related:
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                        names[t.untyped_storage()._cdata] = name
-        return names
+                if name is not None:
+                    self._params[id(p)] = name
+                    self._name([p, p.grad], name)
+        self._read_state()
+        self._fallback = _common_prefix(sorted(set(self._params.values())))
+
+    def end(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.remove(opt)
+        if not self.optimizers:
+            self.reset()
+
+    def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
+        """Name an op of the step (``current``) by its tensor arguments, and its fresh outputs after it."""
+        self.current = self._fallback
+        plan = plan_of(func)
+        name = self._lookup([t for _, t in plan.tensors(args, kwargs)])
+        self.current = name or self._fallback
+        if not plan.fresh_returns:
+            return
+        lists = [v for spec in plan.tensor_args if spec.type is ArgType.TENSORS and (v := spec.get(args, kwargs))]
+        index: dict[int, int] = {}  # id(return spec) -> position in its list
+        for spec, t in flat_returns(plan, out):
+            if spec.aliases_write or spec.aliases_read or not isinstance(t, torch.Tensor):
+                continue
+            own = name
+            if spec.tensors and lists:  # a foreach op's i-th output: its i-th inputs' parameter
+                i = index[id(spec)] = index.get(id(spec), -1) + 1
+                own = self._lookup([x[i] for x in lists if i < len(x) and isinstance(x[i], torch.Tensor)]) or name
+            key = _storage(t)
+            if key is not None:
+                if own:
+                    self._storages[key] = own
+                else:  # a constant's output, or a storage reused: learnt from the state when first read
+                    self._storages.pop(key, None)
+
+    def _lookup(self, tensors: list[torch.Tensor]) -> str:
+        keys = [k for k in map(_storage, tensors) if k is not None]
+        found = {self._storages[k] for k in keys if k in self._storages}
+        if not found and keys and self._read_state():
+            found = {self._storages[k] for k in keys if k in self._storages}
+        return _common_prefix(sorted(found))
+
+    def _read_state(self) -> bool:
+        """Name the optimizer state added since it was last read; True if any was."""
+        grew = False
+        for opt in self.optimizers:
+            for p, state in opt.state.items():
+                name = self._params.get(id(p))
+                if name is not None and len(state) != self._state_sizes.get(id(p)):
+                    self._state_sizes[id(p)] = len(state)
+                    self._name(list(state.values()), name)
+                    grew = True
+        return grew
+
+    def _name(self, values: list, name: str) -> None:
+        for t in values:
+            key = _storage(t) if isinstance(t, torch.Tensor) else None
+            if key is not None:
+                self._storages[key] = name
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """A tensor's storage (None: meta, sparse or nested tensors, which have none to name)."""
+    if t.device.type == "meta" or t.layout != torch.strided or t.is_nested:
+        return None
+    return t.untyped_storage()._cdata
+
+
+class _StepMode(TorchDispatchMode):
+    """Entered below ShadowMode's dispatch mode, it sees each device call before the engine records it: while
+    an optimizer step runs, it names the call from all of its arguments (a view's too) and names its outputs."""
+
+    def __init__(self, names: _StepNames):
+        super().__init__()
+        self._names = names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._names.optimizers:
+            self._names.call(func, args, kwargs, out)
+        return out
+
+
+class Attribution:
+    """Tracks the current module and phase while a ShadowMode is active."""
+
+    def __init__(self, on_compiled: Callable[[str, torch.nn.Module], None] | None = None) -> None:
+        self._tracker = _Tracker()
+        self._tracker.on_compiled = on_compiled
+        self._steps = _StepNames(self._tracker)
+        self._mode: _StepMode | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> Attribution:
+        self._tracker.__enter__()
+        self._handles = [
+            register_optimizer_step_pre_hook(lambda opt, args, kwargs: self._steps.begin(opt)),
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: self._steps.end(opt)),
+        ]
+        self._mode = _StepMode(self._steps)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._mode = None
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._tracker.__exit__(*exc)
 
     def where(self, tensors) -> tuple[str, Phase]:
-        """(module, phase) of the op being dispatched; ``tensors`` its tensor arguments (optimizer naming)."""
-        if self._optimizer_depth:
-            found = sorted(
-                {self._param_names[k] for k in (t.untyped_storage()._cdata for t in tensors) if k in self._param_names}
-            )
-            return (_common_prefix(found) if len(found) > 1 else (found[0] if found else "")), Phase.OPTIMIZER
+        """(module, phase) of the op being dispatched. ``tensors``, its tensor inputs, are not read: an optimizer
+        step's ops are named by ``_StepMode``, which sees all of an op's arguments and its outputs."""
+        if self._steps.optimizers:
+            return self._steps.current, Phase.OPTIMIZER
         module = _innermost(self._tracker.parents)
         if torch._C._current_graph_task_id() != -1:
             return module, Phase.BACKWARD

@@ -355,7 +355,12 @@ class Engine:
         if p.spot:  # a sum's bound ranks the samples: built before the check, from the reference as it was
             if budget is not None and budget.of_sum:
                 budget = self._guarded(p, budget, lambda: budget.bound)
-            spot = self._spot_check(p, out, refs, outputs.dtype, budget)
+            try:
+                spot = self._spot_check(p, out, refs, outputs.dtype, budget)
+            except Exception as exc:  # a spot check's failure costs the op its spot check, not its figures
+                self.report.internal_error(f"spot check of {p.plan.name}",
+                                           f"internal error: {type(exc).__name__}: {exc}"[:240])
+                spot = None
         else:
             spot = None
         if budget is not None and budget.ulps is None:  # bounds are built lazily: a rule's failure costs the budget
@@ -497,12 +502,19 @@ class Engine:
     # --- adoption and recording ---
     def _adopt_all(self, plan: OpPlan, args, kwargs, out) -> None:
         """Make the device's values the shadow of every output and written argument."""
+        self._adopt([t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)])
+
+    def _adopt(self, tensors) -> None:
         m = self.mirror
-        targets = [t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)]
-        for t in targets:
+        for t in tensors:
             if isinstance(t, torch.Tensor) and not t._is_zerotensor() and m.shadow_dtype(t.dtype) is not None \
                     and t.layout == torch.strided and not t.is_nested:  # sparse and nested results: not mirrored
-                m.assign(t, m.upcast(t), exact=True, fresh=True)
+                m.assign(t, m.upcast(t), exact=True, fresh=True, nonfinite=not bool(torch.isfinite(t).all()))
+
+    def adopt(self, tensors: list[torch.Tensor]) -> None:
+        """Make the device's values the shadow of ``tensors`` (results computed where shadow could not see)."""
+        with _no_dispatch():
+            self._adopt(tensors)
 
     def _internal_error(self, plan: OpPlan, args, kwargs, out, exc: Exception) -> None:
         if isinstance(exc, Unsupported):  # a limit of shadow found while preparing (sparse layouts), not a bug

@@ -86,7 +86,8 @@ class Coverage:
     tensors_adopted: int = 0  # storages first seen mid-run, adopted by exact upcast
     unobserved_writes: int = 0  # storages written behind shadow's back, resynced from the device
     reinterpreted: int = 0  # reads through a view of another element size, served from the device
-    compiled: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled modules run eagerly: calls
+    compiled: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled modules that ran: calls
+    compiled_eagerly: bool = True  # they ran eagerly (recent torch); False: as compiled code, outputs adopted
 
     @property
     def replayed(self) -> int:
@@ -104,8 +105,9 @@ class Coverage:
             f"{self.internal_errors} internal errors"
         )
         lines += [f"  unsupported {op}: {why}" for op, why in sorted(self.unsupported.items())]
-        lines += [f"  compiled module {name} ran eagerly ({n} calls): its figures are the eager kernels'"
-                  for name, n in sorted(self.compiled.items())]
+        how = ("ran eagerly ({} calls): its figures are the eager kernels'" if self.compiled_eagerly else
+               "ran as compiled code ({} calls): its fused kernels unseen, its outputs adopted from the device")
+        lines += [f"  compiled module {name} {how.format(n)}" for name, n in sorted(self.compiled.items())]
         return "\n".join(lines)
 
 
@@ -157,9 +159,10 @@ class Report:
         self.coverage.unobserved_writes += 1
         self.events.append(event)
 
-    def compiled_module(self, name: str) -> None:
-        """A torch.compile'd module ran (eagerly) inside the mode."""
+    def compiled_module(self, name: str, eagerly: bool) -> None:
+        """A torch.compile'd module ran inside the mode, eagerly or as compiled code."""
         self.coverage.compiled[name] = self.coverage.compiled.get(name, 0) + 1
+        self.coverage.compiled_eagerly = eagerly
 
     def mirror_counts(self, adopted: int, reinterpreted: int) -> None:
         """The mirror's own counts, at the end of a ``with`` block."""

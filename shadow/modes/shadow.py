@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..attribution import Attribution
+from .. import _compat
 from ..engine import Engine
 from ..errors import ShadowWarning
 from ..options import Options
@@ -58,20 +60,32 @@ class ShadowMode:
         if self._active:
             raise RuntimeError("ShadowMode.reset() inside its `with` block: call it after the block exits")
         self.report = Report(max_records=self.options.max_records, meta=self._meta())
-        self._attr = Attribution(on_compiled=self._compiled_runs_eagerly)
+        self._attr = Attribution(on_compiled=self._compiled_module)
+        self._adopting: dict = {}  # compiled modules whose outputs are adopted (torch 2.4) -> their hook
         self._engine = Engine(self.options, self.report, self._attr)
         self._mode = None
 
-    def _compiled_runs_eagerly(self, module: str) -> None:
-        """A torch.compile'd module runs inside the mode: dynamo skips frames while a dispatch mode is active,
-        so it runs eagerly and its figures are the eager kernels'. Counted; warned once per run."""
+    def _compiled_module(self, module: str, mod: torch.nn.Module) -> None:
+        """A torch.compile'd module is about to run inside the mode. Recent torch skips compiled frames while a
+        dispatch mode is active: it runs eagerly and its figures are the eager kernels'. torch 2.4 runs the
+        compiled code, whose fused kernels shadow never sees: its outputs are adopted from the device after
+        it returns. Counted; warned once per run."""
+        eager = _compat.compile_skips_dispatch_modes()
+        if not eager and mod not in self._adopting:
+            self._adopting[mod] = mod.register_forward_hook(self._adopt_outputs)
         first = not self.report.coverage.compiled
-        self.report.compiled_module(module)
+        self.report.compiled_module(module, eager)
         if first:
-            warnings.warn(
-                f"shadow: the compiled module {module} runs eagerly inside ShadowMode (torch.compile skips frames "
-                "while a dispatch mode is active): its figures describe the eager kernels, not the compiled ones. "
-                "report.coverage.compiled lists such modules.", ShadowWarning, stacklevel=2)
+            what = ("runs eagerly inside ShadowMode (torch.compile skips frames while a dispatch mode is active): "
+                    "its figures describe the eager kernels, not the compiled ones") if eager else (
+                    "runs as compiled code inside ShadowMode (this torch does not skip compiled frames under a "
+                    "dispatch mode): shadow sees only the ops it dispatches, not its fused kernels, so its outputs "
+                    "are adopted from the device and their drift restarts there")
+            warnings.warn(f"shadow: the compiled module {module} {what}. report.coverage.compiled lists such "
+                          "modules.", ShadowWarning, stacklevel=2)
+
+    def _adopt_outputs(self, mod: torch.nn.Module, inputs: Any, output: Any) -> None:
+        self._engine.adopt([t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)])
 
     def _meta(self) -> dict:
         from .. import __version__
@@ -98,6 +112,9 @@ class ShadowMode:
         finally:
             self._attr.__exit__(*exc)
             self._mode = None
+            for handle in self._adopting.values():
+                handle.remove()
+            self._adopting.clear()
         self.report.mirror_counts(self._engine.mirror.adopted, self._engine.mirror.reinterpreted)
 
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:

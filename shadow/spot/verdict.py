@@ -112,6 +112,12 @@ def _spacing(e2: int | None, dtype: torch.dtype) -> float:
     return math.ldexp(1.0, max(emin if e2 is None else e2, emin) - _bits(dtype))
 
 
+def _in_ulps(err: float, spacing: float) -> float:
+    """err / spacing; a subnormal spacing reads 0 in a process that flushes subnormals (torch 2.4 after
+    torch.compile): then any error is infinitely many ulps, none is 0."""
+    return err / spacing if spacing > 0 else (math.inf if err else 0.0)
+
+
 def _abs_diff(a: float, x: mpmath.mpf) -> float:
     """|a - x| rounded once to float64 (to the nearest: the difference itself is computed exactly)."""
     return to_float(mpf_abs(mpf_sub(from_float(a), x._mpf_, 53, round_nearest)))
@@ -132,7 +138,7 @@ def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index:
         return Sample(output, index, xf, r, y, 0.0 if ok else math.inf, math.nan, math.nan, c, ok, not ok)
     e2 = _floor_log2(x)
     ref_abs = _abs_diff(r, x)
-    ref_ulp = ref_abs / _spacing(e2, torch.float64)
+    ref_ulp = _in_ulps(ref_abs, _spacing(e2, torch.float64))
     if not math.isfinite(y):  # the device's error is infinite: any finite reference is within 1% of it
         return Sample(output, index, xf, r, y, ref_ulp, math.nan, math.nan, c, True, False)
     sd = _spacing(e2, dtype)
@@ -143,7 +149,7 @@ def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index:
     # in the tolerance (a device dtype as precise as float64 has no headroom to escalate over)
     mag = to_float(mpf_abs(e.magnitude._mpf_)) if mpmath.isfinite(e.magnitude) else abs(xf)
     risky = not trusted or (_bits(dtype) < 52 and RISK_FACTOR * math.ldexp(mag, -53) > tol)
-    return Sample(output, index, xf, r, y, ref_ulp, dev_abs / sd, dev_abs, c, trusted, risky)
+    return Sample(output, index, xf, r, y, ref_ulp, _in_ulps(dev_abs, sd), dev_abs, c, trusted, risky)
 
 
 # --- the check of given elements ---
