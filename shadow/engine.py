@@ -26,7 +26,7 @@ from .mirror import Mirror, shadow_dtype_of
 from .options import Options
 from .plan import ArgSpec, OpPlan, flat_returns, plan_of
 from .records import BudgetInfo, Event, Kind, Record
-from .replay import REPLAY, Replay, view_rule
+from .replay import REPLAY, Replay, defined_regions, view_rule
 from .report import Report, merged
 from .rules import run_chain
 from .spot import SpotPolicy, SpotStats
@@ -112,6 +112,7 @@ class Compared:
     exact: bool = False  # the shadow equals the device's value: the mirror entry stays exact
     keep: Any = None  # the shadow value to commit (None: nothing to commit)
     nonfinite: bool = False  # the device's value holds a NaN or an infinity
+    skipped: int = 0  # elements not compared: the op leaves them undefined
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,6 +127,7 @@ class Verdict:
     budget: BudgetInfo | None
     spot: SpotStats | None
     compared: list[Compared]
+    skipped: int  # elements not compared: the op leaves them undefined
 
 
 class Engine:
@@ -293,7 +295,8 @@ class Engine:
             return
         louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None
         outputs = self._outputs(p, args, kwargs, out, souts, louts)
-        verdict = self._judge(p, outputs, out, louts if p.local is not None else souts)
+        regions = defined_regions(plan, args, kwargs, [t for _, t in flat_returns(plan, out)])
+        verdict = self._judge(p, outputs, out, louts if p.local is not None else souts, regions)
         for o, c in zip(outputs.items, verdict.compared):
             self._commit(p, o, c)
         cpu = self._cpu_error(p, outputs) if p.cpu is not None and kind is not Kind.RANDOM else None
@@ -347,10 +350,12 @@ class Engine:
         return Outputs(items, len(dflat) if has_returns else w, item, dtype)
 
     # --- judging: the one place that turns outputs into figures ---
-    def _judge(self, p: Prepared, outputs: Outputs, out: Any, refs: Any) -> Verdict:
+    def _judge(self, p: Prepared, outputs: Outputs, out: Any, refs: Any, regions: list | None) -> Verdict:
         """Every output compared with its shadow (drift) and local reference, held to the op's budget
         (``budget_used``: max |error| / bound, or max_ulp / ulps for budgets in ulps), its effective bits, and
-        the spot check of the reference, whose untrusted elements are replaced by their exact values first."""
+        the spot check of the reference, whose untrusted elements are replaced by their exact values first.
+        ``regions``: per output slot, the elements the op defines (``shadow.replay.defined``); only those are
+        compared."""
         budget = self._budget(p, outputs) if p.pre is not None and self.opt.budgets and self.opt.local else None
         if p.spot:  # a sum's bound ranks the samples: built before the check, from the reference as it was
             if budget is not None and budget.of_sum:
@@ -368,7 +373,9 @@ class Engine:
         compared = []
         for o in outputs.items:
             if isinstance(o.device, torch.Tensor):
-                compared.append(self._compare(p, o, o.device.dtype, budget))
+                defined = regions[o.slot] if regions is not None and o.slot is not None and o.slot < len(regions) \
+                    else None
+                compared.append(self._compare(p, o, o.device.dtype, budget, defined))
             else:  # a number (.item(), equal): compared, never kept
                 dtype = next((t.dtype for t in p.inputs), torch.float64)
                 lo = None if o.local is None else _scalar(o.local, dtype)
@@ -383,13 +390,16 @@ class Engine:
             if local.norm > 0:
                 local.effective_bits = self._guarded(p, None, lambda: budget.bits(local.norm ** 2))
             info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
-        flips = local_flips = mismatch = 0
+        flips = local_flips = mismatch = skipped = 0
         for c in compared:
             flips, local_flips, mismatch = flips + c.flips, local_flips + c.local_flips, mismatch + c.mismatch
-        return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared)
+            skipped += c.skipped
+        return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 
-    def _compare(self, p: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None) -> Compared:
-        """One output's figures; ``dtype``: the device dtype its error is measured in."""
+    def _compare(self, p: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None,
+                 defined: torch.Tensor | None = None) -> Compared:
+        """One output's figures; ``dtype``: the device dtype its error is measured in; ``defined``: the elements
+        the op defines (None: all), the only ones compared (the shadow keeps the device's bytes elsewhere)."""
         dev, sh, lo = o.device, o.shadow, o.local
         sd = self.mirror.shadow_dtype(dev.dtype)
         if not isinstance(sh, torch.Tensor) or dev._is_zerotensor():
@@ -412,10 +422,17 @@ class Engine:
         if budget is not None and o.slot is not None and budget.ulps is None:
             bounds = budget.bound
             bound = bounds[o.slot] if o.slot < len(bounds) else None
+        keep, skipped = sh, 0
+        if defined is not None and defined.shape == dev.shape and not bool(defined.all()):
+            keep = torch.where(defined, sh, self.mirror.upcast(dev))
+            skipped = int((~defined).sum())
+            dev, sh = dev.detach().to("cpu")[defined], sh[defined]
+            lo = lo[defined] if has_local and lo.shape == defined.shape else lo
+            bound = torch.broadcast_to(bound, defined.shape)[defined] if isinstance(bound, torch.Tensor) else bound
         # with every input exact (no local replay), the shadow comparison is the local error too
         shared = self.opt.local and not has_local
         st = compare(dev, sh, dtype, bound if shared else None) if self.opt.drift or shared else None
-        c = Compared(exact=st is not None and st.exact, keep=sh)
+        c = Compared(exact=st is not None and st.exact, keep=keep, skipped=skipped)
         if self.opt.local:
             c.local = (compare(dev, lo, dtype, bound) if lo.shape == dev.shape else ErrorStats()) if has_local else st
             if budget is not None and o.slot is not None and budget.ulps is not None:
@@ -545,7 +562,8 @@ class Engine:
         else:
             v = verdict
             rec = Record(self._index, plan.name, module, phase, kind, v.local, v.drift, v.flips, v.local_flips,
-                         v.mismatch, item, reason, v.spot, v.budget, fallback, cpu, dtype, shape, nonfinite_in)
+                         v.mismatch, item, reason, v.spot, v.budget, fallback, cpu, dtype, shape, nonfinite_in,
+                         v.skipped)
         self._index += 1
         self.report.add(rec)
 

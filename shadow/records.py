@@ -83,6 +83,7 @@ class Record:
     dtype: str = ""  # the device result's dtype ("torch.bfloat16"; the first tensor result's; "" if none)
     shape: tuple[int, ...] = ()  # ... and its shape
     inputs_nonfinite: bool = False  # some input held a NaN or an infinity: non-finite outputs flow from there
+    skipped: int = 0  # output elements not compared because the op leaves them undefined (shadow.replay.defined)
 
     @property
     def cpu_ratio(self) -> float | None:

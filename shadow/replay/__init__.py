@@ -3,6 +3,7 @@ uninitialized memory and randomness (``rules``), and fused device kernels with n
 (``attention``: the scaled-dot-product-attention family; ``kernels``: oneDNN LSTM)."""
 
 from . import attention, kernels, rules  # noqa: F401  (their rules register in the table)
+from .defined import DEFINED, defined_regions  # noqa: F401  (which output elements an op defines)
 from .rules import EMPTY_OPS, view_rule
 from .table import REPLAY, Replay, default_rule, register_predicate, register_rule
 
