@@ -217,8 +217,17 @@ class Engine:
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:
         p = Prepared(plan, chain, inputs=[], storages=set())
-        p.shadow = _remapped(plan, *plan.map_tensors(
-            args, kwargs, lambda t, spec: self._shadow_arg(p, t, spec.write, spec.index in plan.declared_writes)))
+        read: dict[int, torch.Tensor] = {}  # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
+
+        def shadow(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
+            if spec.write:
+                return self._shadow_arg(p, t, True, spec.index in plan.declared_writes)
+            v = read.get(id(t))
+            if v is None:
+                v = read[id(t)] = self._shadow_arg(p, t, False, False)
+            return v
+
+        p.shadow = _remapped(plan, *plan.map_tensors(args, kwargs, shadow))
         if self.opt.local and not p.exact:
             seen: dict[int, torch.Tensor] = {}  # a tensor passed twice (Adam's addcmul_(g, g)) is upcast once
 

@@ -17,6 +17,9 @@ from ..options import Options
 from ..report import Report
 
 
+_GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+
+
 class _ShadowDispatch(TorchDispatchMode):
     def __init__(self, engine: Engine):
         super().__init__()
@@ -99,6 +102,10 @@ class ShadowMode:
     def __enter__(self) -> ShadowMode:
         if self._active:
             raise RuntimeError("this ShadowMode is already active: nest a different instance, or exit first")
+        # torch warns on every call of a compiled module while global module hooks exist: shadow's (the module
+        # tracker's) are the cause, so that warning is shadow's to silence, and only while it is active
+        warnings.filterwarnings("ignore", message=_GLOBAL_HOOKS_WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]
         self._attr.__enter__()
         self._mode = _ShadowDispatch(self._engine)
         self._mode.__enter__()
@@ -115,6 +122,9 @@ class ShadowMode:
             for handle in self._adopting.values():
                 handle.remove()
             self._adopting.clear()
+            if self._filter in warnings.filters:
+                warnings.filters.remove(self._filter)
+                warnings._filters_mutated()
         self.report.mirror_counts(self._engine.mirror.adopted, self._engine.mirror.reinterpreted)
 
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:

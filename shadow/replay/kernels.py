@@ -60,7 +60,9 @@ if hasattr(aten, "mkldnn_rnn_layer"):
             return NotImplemented
         hx = r.arg("hx_")
         out, h, c, _ = _lstm_steps(*a, r.arg("reverse"))
-        return Kind.DECOMPOSED, (out, h.reshape(hx.shape), c.reshape(hx.shape), r.device_out[3].to("cpu", copy=True))
+        workspace = r.device_out[3]  # None without autograd (eval, no_grad): oneDNN keeps no workspace then
+        return Kind.DECOMPOSED, (out, h.reshape(hx.shape), c.reshape(hx.shape),
+                                 None if workspace is None else workspace.to("cpu", copy=True))
 
     @register_rule(aten.mkldnn_rnn_layer_backward.default)
     def mkldnn_lstm_layer_backward_rule(r: Replay) -> Any:
