@@ -1,8 +1,9 @@
 """Which module and phase each op call belongs to.
 
-Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker``; the optimizer
-phase from the optimizer step hooks, where parameter (and gradient, optimizer state) storages are
-mapped to the parameter's dotted name so optimizer ops are charged to it.
+Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker`` (``_Tracker``: pass-through
+modules and leaf inputs handled); the optimizer phase from the optimizer step hooks, where parameter (and
+gradient, optimizer state) storages are mapped to the parameter's dotted name so optimizer ops are charged to
+it, and a dispatch mode below ShadowMode's (``_StepMode``) names each op of a step and its fresh outputs.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ class _Tracker(ModuleTracker):
         self._get_pop_fn(name, False)()
         calls = self._calls.get(mod)  # none: the tracker was entered during this module's forward
         exit_hook, inputs = calls.pop() if calls else (None, set())
-        if not self._hook([a for a in _needing_grad(output) if _edge(a) not in inputs], self._get_append_fn(name, True)):
-            if exit_hook is not None:
-                exit_hook.remove()
+        fresh = [a for a in _needing_grad(output) if _edge(a) not in inputs]
+        if not self._hook(fresh, self._get_append_fn(name, True)) and exit_hook is not None:
+            exit_hook.remove()
 
     def _hook(self, tensors: list[torch.Tensor], fn: Callable) -> Any:
         """``fn`` once the gradients of ``tensors`` are computed (None: no tensors, no hook)."""
@@ -149,7 +150,7 @@ class _StepNames:
 
     def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
         """Name an op of the step (``current``) by its tensor arguments, and its fresh outputs after it."""
-        self.current = self._fallback
+        self.current = self._fallback  # until named: kept if naming fails
         plan = plan_of(func)
         name = self._lookup([t for _, t in plan.tensors(args, kwargs)])
         self.current = name or self._fallback
@@ -216,7 +217,10 @@ class _StepMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._names.optimizers:
-            self._names.call(func, args, kwargs, out)
+            try:
+                self._names.call(func, args, kwargs, out)
+            except Exception:  # never raise into the user's program: the call keeps the fallback name
+                pass
         return out
 
 

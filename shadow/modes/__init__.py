@@ -1,7 +1,9 @@
-"""The TorchDispatchModes: the full shadow, and emulated devices (enter an emulation outside ShadowMode:
-``with TF32Mode(), ShadowMode() as sm:``; ``shadow.modes.emulate.emulate("tf32")`` builds one by name)."""
+"""The TorchDispatchModes: the full shadow, emulated devices and injected faults (enter them outside ShadowMode:
+``with TF32Mode(), ShadowMode() as sm:``; ``shadow.modes.emulate.emulate("tf32")`` builds one by name;
+``with FaultMode(rel=1e-3, op="gelu"), ShadowMode() as sm:``)."""
 
 from .emulate import BF16Mode, EmulationOrderError, FP16AccumMode, FTZMode, TF32Mode
+from .faults import FaultMode
 from .shadow import ShadowMode
 
-__all__ = ["ShadowMode", "TF32Mode", "BF16Mode", "FP16AccumMode", "FTZMode", "EmulationOrderError"]
+__all__ = ["ShadowMode", "TF32Mode", "BF16Mode", "FP16AccumMode", "FTZMode", "FaultMode", "EmulationOrderError"]

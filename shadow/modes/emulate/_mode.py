@@ -72,11 +72,7 @@ class Emulation(TorchDispatchMode):
         return f"{type(self).__name__}({self.name!r}, {self.options})"
 
     def __enter__(self):
-        from ..shadow import _ShadowDispatch
-
-        if any(isinstance(m, _ShadowDispatch) for m in _get_current_dispatch_mode_stack()):
-            built = f"emulate({self.name!r})" if type(self) is Emulation else f"{type(self).__name__}()"
-            raise EmulationOrderError(built)
+        require_outside_shadow(f"emulate({self.name!r})" if type(self) is Emulation else f"{type(self).__name__}()")
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -88,6 +84,15 @@ class Emulation(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)
+
+
+def require_outside_shadow(built: str) -> None:
+    """A device-side mode (an emulation, a fault) is being entered: refuse if a ShadowMode is active, since the
+    mode would then sit above ShadowMode, which would see its internal ops. ``built``: how the mode was built."""
+    from ..shadow import _ShadowDispatch
+
+    if any(isinstance(m, _ShadowDispatch) for m in _get_current_dispatch_mode_stack()):
+        raise EmulationOrderError(built)
 
 
 def emulate(name: str, **options: Any) -> Emulation:
