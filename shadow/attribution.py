@@ -3,7 +3,7 @@
 Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker`` (``_Tracker``: pass-through
 modules and leaf inputs handled); the optimizer phase from the optimizer step hooks, where parameter (and
 gradient, optimizer state) storages are mapped to the parameter's dotted name so optimizer ops are charged to
-it, and a dispatch mode below ShadowMode's (``_StepMode``) names each op of a step and its fresh outputs.
+it; each op of a step (``where``, from all of its arguments and its outputs) names its fresh outputs too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
@@ -61,15 +60,29 @@ class _Tracker(ModuleTracker):
         fresh = [a for a in _needing_grad(output) if _edge(a) not in inputs]
         if not self._hook(fresh, self._get_append_fn(name, True)) and exit_hook is not None:
             exit_hook.remove()
+            self._forget(exit_hook)
 
     def _hook(self, tensors: list[torch.Tensor], fn: Callable) -> Any:
-        """``fn`` once the gradients of ``tensors`` are computed (None: no tensors, no hook)."""
+        """``fn`` once the gradients of ``tensors`` are computed (None: no tensors, no hook). torch >= 2.5 keeps
+        every handle to remove the hooks on exit; one that fired is forgotten then, or a long run under one
+        ShadowMode would keep every step's handles (16 a step on a small MLP)."""
         if not tensors:
             return None
-        handle = register_multi_grad_hook(tensors, fn)
+        handles: list = []
+
+        def fire(grads: Any) -> None:
+            fn(grads)
+            self._forget(handles[0])
+
+        handles.append(register_multi_grad_hook(tensors, fire))
         if hasattr(self, "_hooks"):  # torch >= 2.5 removes them on exit; 2.4 keeps none
-            self._hooks.append(handle)
-        return handle
+            self._hooks.append(handles[0])
+        return handles[0]
+
+    def _forget(self, handle: Any) -> None:
+        hooks = getattr(self, "_hooks", None)
+        if hooks is not None and handle in hooks:
+            hooks.remove(handle)
 
 
 def _needing_grad(value: Any) -> list[torch.Tensor]:
@@ -205,25 +218,6 @@ def _storage(t: torch.Tensor) -> int | None:
     return t.untyped_storage()._cdata
 
 
-class _StepMode(TorchDispatchMode):
-    """Entered below ShadowMode's dispatch mode, it sees each device call before the engine records it: while
-    an optimizer step runs, it names the call from all of its arguments (a view's too) and names its outputs."""
-
-    def __init__(self, names: _StepNames):
-        super().__init__()
-        self._names = names
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self._names.optimizers:
-            try:
-                self._names.call(func, args, kwargs, out)
-            except Exception:  # never raise into the user's program: the call keeps the fallback name
-                pass
-        return out
-
-
 class Attribution:
     """Tracks the current module and phase while a ShadowMode is active."""
 
@@ -231,7 +225,6 @@ class Attribution:
         self._tracker = _Tracker()
         self._tracker.on_compiled = on_compiled
         self._steps = _StepNames(self._tracker)
-        self._mode: _StepMode | None = None
         self._handles: list = []
 
     def __enter__(self) -> Attribution:
@@ -240,24 +233,22 @@ class Attribution:
             register_optimizer_step_pre_hook(lambda opt, args, kwargs: self._steps.begin(opt)),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: self._steps.end(opt)),
         ]
-        self._mode = _StepMode(self._steps)
-        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self._mode.__exit__(*exc)
-        finally:
-            self._mode = None
-            for h in self._handles:
-                h.remove()
-            self._handles = []
-            self._tracker.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._tracker.__exit__(*exc)
 
-    def where(self, tensors) -> tuple[str, Phase]:
-        """(module, phase) of the op being dispatched. ``tensors``, its tensor inputs, are not read: an optimizer
-        step's ops are named by ``_StepMode``, which sees all of an op's arguments and its outputs."""
+    def where(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[str, Phase]:
+        """(module, phase) of the op call that just ran on the device: inside an optimizer step, the parameter
+        its arguments belong to (its fresh outputs then take that name)."""
         if self._steps.optimizers:
+            try:
+                self._steps.call(func, args, kwargs, out)
+            except Exception:  # never raise into the user's program: the call keeps the fallback name
+                pass
             return self._steps.current, Phase.OPTIMIZER
         module = _innermost(self._tracker.parents)
         if torch._C._current_graph_task_id() != -1:

@@ -559,7 +559,7 @@ class Engine:
                 reason: str = "", inputs=(), cpu: ErrorStats | None = None, result: Any = False,
                 nonfinite_in: bool = False) -> None:
         """``result``: the call's first tensor result, when the caller knows it (False: look it up)."""
-        module, phase = self.attr.where(inputs)
+        module, phase = self.attr.where(plan.func, args, kwargs, out)
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
         if result is False:
             result = _first_tensor(plan, args, kwargs, out)
