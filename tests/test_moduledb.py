@@ -3,8 +3,8 @@
 Each sample runs as a small training step: the module built from the sample's constructor input (RNG seeded,
 outside any mode) and cast to the dtype, its forward, the backward of the sum of its floating outputs, and
 one SGD step (momentum 0.9) where it has parameters. The step runs twice from the same seed: plainly and
-under ``ShadowMode(spot_checks="off")`` (spot checks validate float64 references with mpmath: they would
-double the sweep's time and do not take part in any check below). Then:
+under ``ShadowMode(spot_checks="off")`` (the mpmath spot checks of the float64 references are off, for the
+sweep's time: the references themselves are not validated here). Then:
 
 - no crash, no interference: the shadowed step raises exactly when the plain one does (a dtype a module has
   no CPU kernel for is skipped, with torch's message); its outputs, loss, input and parameter gradients,
@@ -48,11 +48,12 @@ aten = torch.ops.aten
 TORCH_BEFORE_2_5 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
 MODULES = {mi.name: mi for mi in module_db}
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-# one or two modules of each family, first sample: ~1 min with the import of module_db
+# one or two modules of each family, first sample: ~15 s with the import of module_db (10 s of it)
 DEFAULT_MODULES = ("nn.Linear", "nn.Bilinear", "nn.Conv2d", "nn.ConvTranspose1d", "nn.LazyConv2d", "nn.MaxPool2d",
-                   "nn.AvgPool2d", "nn.BatchNorm2d", "nn.InstanceNorm2d", "nn.GroupNorm", "nn.LayerNorm", "nn.RMSNorm",
-                   "nn.Embedding", "nn.GELU", "nn.Softmax", "nn.PReLU", "nn.LSTM", "nn.GRUCell", "nn.MultiheadAttention",
-                   "nn.TransformerEncoderLayer", "nn.CrossEntropyLoss", "nn.CTCLoss", "nn.ReflectionPad2d")
+                   "nn.AvgPool2d", "nn.BatchNorm2d", "nn.InstanceNorm2d", "nn.GroupNorm", "nn.LayerNorm",
+                   "nn.RMSNorm", "nn.Embedding", "nn.GELU", "nn.Softmax", "nn.PReLU", "nn.LSTM", "nn.GRUCell",
+                   "nn.MultiheadAttention", "nn.TransformerEncoderLayer", "nn.CrossEntropyLoss", "nn.CTCLoss",
+                   "nn.ReflectionPad2d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +76,10 @@ FINDINGS: dict[tuple[str, torch.dtype], Finding] = {
         "c10's BFloat16 arithmetic, and 1/sqrt of it rounded (<= 2 u relative; one rounding: <= u, the budget); "
         "test_batch_norm_invstd_finding reproduces it bit for bit (InstanceNorm2d)", 1.27, 2.0),
     ("aten.convolution.default", torch.float16): Finding(
-        f"transposed convolution: {_COL2IM} (bit for bit: test_convolution_float16_finding; ConvTranspose1d)", 33.3),
+        f"transposed convolution: {_COL2IM} (bit for bit: test_convolution_float16_finding; ConvTranspose2d)", 96.7),
     ("aten.convolution_backward.default", torch.float16): Finding(
         f"grad_input: {_COL2IM}; grad_weight: one GEMM per batch element added into a float16 accumulator "
-        "(bit for bit: test_convolution_float16_finding; Conv2d)", 14.7),
+        "(bit for bit: test_convolution_float16_finding; Conv2d)", 5.72),
     ("aten.fractional_max_pool3d.default", torch.bfloat16): Finding(
         "the pooling windows' starts computed in bfloat16 arithmetic from the random samples (the 2-d kernel "
         "uses float): 7 of 480 windows move on FractionalMaxPool3d's third sample, so other elements are picked "
@@ -88,7 +89,8 @@ FINDINGS: dict[tuple[str, torch.dtype], Finding] = {
         "in FlashAttentionKernel.cpp): one more rounding at u per term, which cancels in the sum-loss gradients "
         "(TransformerEncoder; read from the source, not reproduced bit for bit)", 1.36),
 }
-for _dtype, _bn_backward, _ln_backward in ((torch.bfloat16, 2810.0, 152.0), (torch.float16, 296.0, 83.7)):
+for _dtype, _bn_backward, _ln_backward, _nll, _nll2d in ((torch.bfloat16, 2810.0, 233.0, 2.30, 10.3),
+                                                        (torch.float16, 296.0, 105.0, 2.55, 3.86)):
     FINDINGS[("aten.native_batch_norm_backward.default", _dtype)] = Finding(
         "with a non-contiguous grad_output (the expanded ones of sum()'s backward) the CPU kernel takes its "
         "generic path, in the device dtype's arithmetic: x - mean, the projection k and each product rounded; "
@@ -96,7 +98,12 @@ for _dtype, _bn_backward, _ln_backward in ((torch.bfloat16, 2810.0, 152.0), (tor
         "test_batch_norm_backward_finding; BatchNorm1d)", _bn_backward)
     FINDINGS[("aten.native_layer_norm_backward.default", _dtype)] = Finding(
         "weight/bias gradients summed over rows in the device dtype (tests/test_budgets.py EXCEPTIONS; "
-        "LayerNorm)", _ln_backward)
+        "TransformerDecoderLayer)", _ln_backward)
+    _total_weight = ("total_weight summed in the device dtype, one rounding per target (a sequential sum in that "
+                     "dtype gives CrossEntropyLoss sample 45's 16.5 where 16.375 is correctly rounded), and the "
+                     "mean divides by it; the figure is inflated by the budget bug of _REASON_NLL")
+    FINDINGS[("aten.nll_loss_forward.default", _dtype)] = Finding(_total_weight + " (LinearCrossEntropyLoss)", _nll)
+    FINDINGS[("aten.nll_loss2d_forward.default", _dtype)] = Finding(_total_weight + " (LinearCrossEntropyLoss)", _nll2d)
 
 if TORCH_BEFORE_2_5:  # seen on torch 2.4.1; torch 2.13 computes these in float32
     FINDINGS[("aten.native_batch_norm.default", torch.float16)] = Finding(
@@ -125,13 +132,11 @@ for _dtype in (torch.float64, torch.float32):
         "aten.empty whose bytes shadow adopts at once, then filled by std::copy without dispatch, so clamp_min "
         "reads the stale bytes (local error 29 = 30 - 1 in float64; test_ctc_mean_reads_target_lengths)")
 _REASON_NLL = ("budget bug (shadow/budgets/losses.py nll_budget): with negative class weights the total weight "
-               "is negative and so is the bound divided by it (budget used inf); nll_loss2d sums N*H*W weights "
-               "but its total_weight bound counts N")
-for _dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for _name in ("nn.CrossEntropyLoss", "nn.LinearCrossEntropyLoss"):
-        KNOWN_BUGS_ALL_SAMPLES[(_name, _dtype)] = _REASON_NLL
-    if _dtype != torch.float32:
-        KNOWN_BUGS_ALL_SAMPLES[("nn.NLLLoss", _dtype)] = _REASON_NLL
+               "is negative and so is the bound divided by it (budget used inf); the total_weight bound is "
+               "relative to |total_weight| where sum |w_i| belongs, and counts N terms where nll_loss2d sums N*H*W")
+for _dtype in (torch.float32, torch.bfloat16, torch.float16):  # negative total weights: samples 9, 10 and 12
+    KNOWN_BUGS_ALL_SAMPLES[("nn.CrossEntropyLoss", _dtype)] = _REASON_NLL
+KNOWN_BUGS_ALL_SAMPLES[("nn.LinearCrossEntropyLoss", torch.float32)] = _REASON_NLL  # sample 639: 1.84
 
 
 def _bug(name: str, dtype: torch.dtype, slow: bool) -> str | None:
@@ -223,6 +228,9 @@ def _samples(mi, dtype: torch.dtype, training: bool, n: int | None) -> list:
 
 
 # --- one module, dtype and mode over its samples ---
+_LOWER_PRECISIONS = {str(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.complex64)}  # Record.dtype
+
+
 @dataclasses.dataclass
 class Outcome:
     """What a (module, dtype, mode) did: the figures the sweep reports, and its failures."""
@@ -285,7 +293,7 @@ def _check_sample(oc: Outcome, where: str, mi, sample, dtype: torch.dtype, train
 
     for rec in rep.records:
         if dtype == torch.float64:
-            if rec.dtype not in ("", str(torch.float64)):
+            if rec.dtype in _LOWER_PRECISIONS:
                 oc.casts += 1
             elif rec.local is not None and not rec.local.exact:
                 oc.failures.append(f"{where}: float64 record {rec.index} {rec.op} local error not exact: {rec.local}")
@@ -294,6 +302,8 @@ def _check_sample(oc: Outcome, where: str, mi, sample, dtype: torch.dtype, train
             finding = FINDINGS.get((rec.op, dtype))
             if finding is None:
                 oc.failures.append(f"{where}: {rec.op} over budget ({rec.budget.used:.3g}) with no finding")
+            elif not math.isfinite(rec.budget.used):  # a bound <= 0: no kernel's rounding explains that
+                oc.failures.append(f"{where}: {rec.op} used {rec.budget.used} of its budget")
             elif finding.limit is not None and rec.budget.used > finding.limit:
                 oc.failures.append(f"{where}: {rec.op} used {rec.budget.used:.3g} of its budget, more than its "
                                    f"finding's mechanism allows ({finding.limit})")
@@ -549,3 +559,20 @@ def test_convolution_float16_finding():
     for term in per_sample:
         acc = (acc.float() + term).to(h)
     assert torch.equal(acc.reshape(dw.shape), dw) and not torch.equal(per_sample.sum(0).to(h).reshape(dw.shape), dw)
+
+
+def test_fractional_max_pool3d_bfloat16_finding():
+    """fractional_max_pool3d in bfloat16 picks other windows than in float32 from the very same inputs and
+    random samples (its window starts are computed in bfloat16), on one of FractionalMaxPool3d's samples;
+    the 2-d kernel picks the same ones in every sample."""
+    moved = {}
+    for name, op in (("nn.FractionalMaxPool2d", aten.fractional_max_pool2d.default),
+                     ("nn.FractionalMaxPool3d", aten.fractional_max_pool3d.default)):
+        moved[name] = 0
+        for sample in _samples(MODULES[name], torch.bfloat16, True, None):
+            calls = _Calls(op)
+            assert _run(MODULES[name], sample, torch.bfloat16, True, calls).error is None
+            for args in calls.calls:
+                as_float = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+                moved[name] += int((op(*args)[1] != op(*as_float)[1]).sum())
+    assert moved["nn.FractionalMaxPool2d"] == 0 and moved["nn.FractionalMaxPool3d"] > 0
