@@ -32,7 +32,22 @@ from .rules import run_chain
 from .spot import SpotPolicy, SpotStats
 
 _INF = math.inf
-_no_dispatch = torch._C._DisableTorchDispatch  # shadow's own work must not reach any dispatch mode
+class _no_dispatch:
+    """Shadow's own work: it must reach no dispatch mode (none below sees it, and the engine records none of its
+    ops) and record no autograd graph (a shadow of a parameter would otherwise carry a grad_fn, and copying a
+    lazy module's uninitialized parameter would create its gradient accumulator with the wrong shape)."""
+
+    __slots__ = ("_dispatch", "_grad")
+
+    def __enter__(self) -> None:
+        self._dispatch = torch._C._DisableTorchDispatch()
+        self._dispatch.__enter__()
+        self._grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_grad_enabled(self._grad)
+        self._dispatch.__exit__(*exc)
 # Nested tensors have a shape per component and no strides: the mirror cannot hold their shadows (test_nested.py)
 _NESTED = ("nested tensor {}: shadow mirrors dense tensors only (nested tensors come from torch.nested, or from "
            "nn.TransformerEncoder's fast path for padded batches in eval mode); build the encoder with "
@@ -297,9 +312,12 @@ class Engine:
             self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=p.inputs)
             return
         # random or uninitialized: the device's values are adopted (by kind: a replayed in-place op that returns
-        # nothing, such as _foreach_add_ or _fused_adam_, also gives None and its shadow writes must be kept)
+        # nothing, such as _foreach_add_ or _fused_adam_, also gives None and its shadow writes must be kept).
+        # Uninitialized memory (empty) is adopted at its first read, not now: C++ code may fill it without
+        # dispatching (at::tensor(list) is empty + std::copy), and its first reader must see what was written.
         if souts is None and kind in (Kind.RANDOM, Kind.ADOPTED):
-            self._adopt_all(plan, args, kwargs, out)
+            if kind is Kind.RANDOM:
+                self._adopt_all(plan, args, kwargs, out)
             self._record(plan, kind, args, kwargs, out, inputs=p.inputs)
             return
         louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None

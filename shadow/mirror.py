@@ -56,7 +56,7 @@ def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _storage_values(t: torch.Tensor, n: int) -> torch.Tensor:
     """t's whole storage as n raw values (as_strided keeps t's conj/neg bit, which would store conj(x) or -x)."""
-    flat = t.as_strided((n,), (1,), 0)
+    flat = t.detach().as_strided((n,), (1,), 0)
     if flat.is_conj():
         flat = flat.conj()
     if flat.is_neg():
@@ -144,7 +144,7 @@ class Mirror:
         sd = self.shadow_dtype(t.dtype) or t.dtype
         if t._is_zerotensor():
             return torch.zeros(t.shape, dtype=sd)
-        return t.to(device="cpu", dtype=sd, copy=True)
+        return t.detach().to(device="cpu", dtype=sd, copy=True)
 
     def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()
