@@ -102,7 +102,7 @@ for _dtype, _bn_backward, _ln_backward, _nll, _nll2d in ((torch.bfloat16, 2810.0
         "TransformerDecoderLayer)", _ln_backward)
     _total_weight = ("total_weight summed in the device dtype, one rounding per target (a sequential sum in that "
                      "dtype gives CrossEntropyLoss sample 45's 16.5 where 16.375 is correctly rounded), and the "
-                     "mean divides by it; the figure is inflated by the budget bug of _REASON_NLL")
+                     "mean divides by it")
     FINDINGS[("aten.nll_loss_forward.default", _dtype)] = Finding(_total_weight + " (LinearCrossEntropyLoss)", _nll)
     FINDINGS[("aten.nll_loss2d_forward.default", _dtype)] = Finding(_total_weight + " (LinearCrossEntropyLoss)", _nll2d)
 
@@ -118,13 +118,6 @@ if TORCH_BEFORE_2_5:  # seen on torch 2.4.1; torch 2.13 computes these in float3
 # both runs (KNOWN_BUGS) or in the all-samples sweep only (KNOWN_BUGS_ALL_SAMPLES: later samples meet them).
 KNOWN_BUGS: dict[tuple[str, torch.dtype | None], str] = {}
 KNOWN_BUGS_ALL_SAMPLES: dict[tuple[str, torch.dtype | None], str] = {}
-
-_REASON_NLL = ("budget bug (shadow/budgets/losses.py nll_budget): with negative class weights the total weight "
-               "is negative and so is the bound divided by it (budget used inf); the total_weight bound is "
-               "relative to |total_weight| where sum |w_i| belongs, and counts N terms where nll_loss2d sums N*H*W")
-for _dtype in (torch.float32, torch.bfloat16, torch.float16):  # negative total weights: samples 9, 10 and 12
-    KNOWN_BUGS_ALL_SAMPLES[("nn.CrossEntropyLoss", _dtype)] = _REASON_NLL
-KNOWN_BUGS_ALL_SAMPLES[("nn.LinearCrossEntropyLoss", torch.float32)] = _REASON_NLL  # sample 639: 1.84
 
 
 def _bug(name: str, dtype: torch.dtype, slow: bool) -> str | None:
@@ -421,7 +414,9 @@ def test_ctc_undefined_skipped_float32():
     sm = _ctc_step(torch.float32, "sum")
     rec = sm.report.find("aten._ctc_loss")[0]
     assert rec.skipped > 0 and rec.local.nonfinite == 0 and rec.drift.nonfinite == 0
-    assert rec.local.max_ulp < 1e3 and rec.drift.rel_norm < 1e-5  # log-space sums of 50 steps: a few ulps each
+    # 50 steps of the log-space recursion, each adding about one rounding of the alphas' magnitude (measured:
+    # 3.9 ulp, drift 9.6e-8)
+    assert rec.local.max_ulp <= 50 and rec.drift.rel_norm <= 50 * 2.0**-24
     assert not sm.report.records_over_budget()
 
 

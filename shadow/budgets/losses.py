@@ -18,7 +18,8 @@ _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
 def _loss(c: BudgetCall, rel: float, absolute: Callable[[], Any] | None = None, divisor: Any = None) -> Budget:
     """l = reduce(l_i): |d l_i| <= rel * u * |l_i| + abs_i (the elementwise terms may be rounded to the device
     dtype before the reduction: reduced-precision kernels do); the sum adds gamma_n(ua) sum|l_i|; the mean
-    divides by n (or by ``divisor``: nll's total weight, itself a sum of positive terms, gamma_n relative)."""
+    divides by n (or by ``divisor()`` = (|W|, k): nll's total weight W, a sum whose error is gamma_n(ua) k |W|,
+    k = sum|w_i| / |W|, 1 for weights of one sign)."""
     red = _REDUCTION.get(c.a.get("reduction", 1), "mean")
     r = c.out()
 
@@ -34,8 +35,8 @@ def _loss(c: BudgetCall, rel: float, absolute: Callable[[], Any] | None = None, 
         n = max(li.numel(), 1)
         s = e.sum() + gamma(n, c.ua) * la.sum()
         if red == "mean":
-            d = float(n) if divisor is None else divisor()
-            s = s / d + (gamma(n, c.ua) if divisor is not None else c.ua) * la.sum() / d
+            d, k = (float(n), 1.0) if divisor is None else divisor()
+            s = s / d + (gamma(n, c.ua) * k if divisor is not None else c.ua) * la.sum() / d
         return [c.final(r, 2.0) + s + c.ua * r.abs()]
 
     return c.budget("loss", make)
@@ -86,10 +87,23 @@ def bce_logits_budget(c: BudgetCall) -> Budget:
 def nll_budget(c: BudgetCall) -> Budget:
     """-w_t x[i, t_i] summed, divided by the total weight (mean). total_weight: gamma_n(ua) * itself."""
     r, tw = c.out(0), c.out(1)
-    main = _loss(c, 2.0, divisor=lambda: float(tw))
-    return c.budget("loss", lambda: [main.bound[0],
-                                     torch.add(c.final(tw), tw.abs(), alpha=gamma(max(r.numel(), c.a["self"].shape[0]
-                                                                               if c.a["self"].dim() else 1), c.ua))])
+    n = max(c.a["target"].numel(), 1)  # the terms the sums run over (nll_loss2d: N*H*W)
+
+    def divisor() -> tuple[float, float]:
+        w = abs(float(tw))
+        return w, (_weights_abs_sum(c) / w if w > 0 else 1.0)
+
+    main = _loss(c, 2.0, divisor=divisor)
+    return c.budget("loss", lambda: [main.bound[0], c.final(tw) + gamma(n, c.ua) * _weights_abs_sum(c)])
+
+
+def _weights_abs_sum(c: BudgetCall) -> float:
+    """sum |w_t| over the targets that count (not ignore_index): |total weight| unless weights change sign."""
+    target, weight = c.a["target"], c.a.get("weight")
+    counted = target != c.a.get("ignore_index", -100)
+    if weight is None:
+        return float(counted.sum())
+    return float(weight.abs()[target.clamp_min(0).clamp_max(weight.numel() - 1)][counted].sum())
 
 
 
