@@ -211,16 +211,9 @@ def reference_for(func: Any) -> Reference | None:
     return None if entry is None else Reference(func, entry.fn, entry.outputs, entry.cost)
 
 
-def reference(
-    func: OpOverload,
-    args: Sequence,
-    kwargs: Mapping[str, Any] | None,
-    index: Sequence[int],
-    *,
-    output: int = 0,
-    bits: int = DEFAULT_BITS,
-) -> Exact:
-    """One output element of ``func(*args, **kwargs)`` at high precision; ``NoReference`` if none.
+def reference(func: OpOverload, *args: Any, **options: Any) -> Exact:
+    """One output element of ``func`` at high precision: ``reference_for(func)(args, kwargs, index, *, output=0,
+    bits=DEFAULT_BITS)`` (``Reference.__call__``); ``NoReference`` if the op has no rule.
 
     >>> float(reference(torch.ops.aten.log1p.default, (torch.tensor(1e-20, dtype=torch.float64),), {}, ()).value)
     1e-20
@@ -228,7 +221,7 @@ def reference(
     ref = reference_for(func)
     if ref is None:
         raise NoReference(str(func), "no reference rule for this op")
-    return ref(args, kwargs, index, output=output, bits=bits)
+    return ref(*args, **options)
 
 
 _UNREGISTERED = Cost()  # an op without a reference: priced as a reduction of its largest input
