@@ -318,6 +318,10 @@ class Engine:
         if souts is None and kind in (Kind.RANDOM, Kind.ADOPTED):
             if kind is Kind.RANDOM:
                 self._adopt_all(plan, args, kwargs, out)
+            else:
+                for _, t in flat_returns(plan, out):
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
+                        self.mirror.seen_empty(t)
             self._record(plan, kind, args, kwargs, out, inputs=p.inputs)
             return
         louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None

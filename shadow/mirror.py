@@ -106,6 +106,7 @@ class Mirror:
         self._follow_reference = follow_reference
         self._dtypes: dict[torch.dtype, torch.dtype | None] = {}
         self._entries: dict[int, _Entry] = {}
+        self._empty: dict[int, StorageWeakRef] = {}  # uninitialized storages not read yet (empty's results)
         self._versions: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id(t) -> (ref, key, version, writes)
         self._new = 0
         self.adopted = 0  # storages first seen mid-run, adopted by exact upcast
@@ -261,15 +262,22 @@ class Mirror:
         dead = [k for k, e in self._entries.items() if e.wref.expired()]
         for k in dead:
             del self._entries[k]
+        self._empty = {k: w for k, w in self._empty.items() if not w.expired()}
         if len(self._versions) > 4 * len(self._entries) + 256:
             self._versions = {k: v for k, v in self._versions.items() if v[0]() is not None}
 
+    def seen_empty(self, t: torch.Tensor) -> None:
+        """t is uninitialized memory an op returned (empty): adopted at its first read, whatever wrote it."""
+        st = t.untyped_storage()
+        self._empty[st._cdata] = StorageWeakRef(st)
+
     def lookup(self, t: torch.Tensor) -> torch.Tensor | None:
         """The current shadow of t, or None if t's storage was never seen."""
-        st = t.untyped_storage()
-        if st._cdata not in self._entries:
+        key = t.untyped_storage()._cdata
+        empty = self._empty.pop(key, None)
+        if key not in self._entries and (empty is None or empty.expired()):
             return None
-        return self.view(t, self.entry(t))  # entry() follows a storage resized since it was last seen
+        return self.view(t, self.entry(t))  # entry() adopts a new storage, follows one resized since last seen
 
     def shadow_bytes(self) -> int:
         return sum(e.base.numel() * e.base.element_size() for e in self._entries.values() if not e.wref.expired())
