@@ -32,22 +32,10 @@ from .rules import run_chain
 from .spot import SpotPolicy, SpotStats
 
 _INF = math.inf
-class _no_dispatch:
-    """Shadow's own work: it must reach no dispatch mode (none below sees it, and the engine records none of its
-    ops) and record no autograd graph (a shadow of a parameter would otherwise carry a grad_fn, and copying a
-    lazy module's uninitialized parameter would create its gradient accumulator with the wrong shape)."""
-
-    __slots__ = ("_dispatch", "_grad")
-
-    def __enter__(self) -> None:
-        self._dispatch = torch._C._DisableTorchDispatch()
-        self._dispatch.__enter__()
-        self._grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
-
-    def __exit__(self, *exc) -> None:
-        torch.set_grad_enabled(self._grad)
-        self._dispatch.__exit__(*exc)
+# Shadow's own work must reach no dispatch mode (none below sees it, the engine records none of its ops). It
+# records no autograd graph either: every tensor it makes is a detached copy (mirror.upcast; copying a lazy
+# module's uninitialized parameter with autograd on created its gradient accumulator with the wrong shape).
+_no_dispatch = torch._C._DisableTorchDispatch
 # Nested tensors have a shape per component and no strides: the mirror cannot hold their shadows (test_nested.py)
 _NESTED = ("nested tensor {}: shadow mirrors dense tensors only (nested tensors come from torch.nested, or from "
            "nn.TransformerEncoder's fast path for padded batches in eval mode); build the encoder with "
@@ -326,7 +314,7 @@ class Engine:
             return
         louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None
         outputs = self._outputs(p, args, kwargs, out, souts, louts)
-        regions = defined_regions(plan, args, kwargs, [t for _, t in flat_returns(plan, out)])
+        regions = defined_regions(plan, args, kwargs, out)
         verdict = self._judge(p, outputs, out, louts if p.local is not None else souts, regions)
         for o, c in zip(outputs.items, verdict.compared):
             self._commit(p, o, c)
@@ -471,7 +459,8 @@ class Engine:
                     (_INF if c.local.max_abs else 0.0)
         if self.opt.drift:
             c.drift = dataclasses.replace(st, budget_used=None) if shared and st.budget_used is not None else st
-        c.nonfinite = (st or c.local).device_nonfinite > 0 if (st or c.local) is not None else False
+        stats = st if st is not None else c.local
+        c.nonfinite = stats is not None and stats.device_nonfinite > 0
         return c
 
     def _budget(self, p: Prepared, outputs: Outputs) -> Budget | None:

@@ -341,7 +341,7 @@ def test_ctc_defined_region(targets_1d, lengths_as_tensors):
     func = aten._ctc_loss.Tensor if lengths_as_tensors else aten._ctc_loss.default
     with _FillUninitialized():
         nll, log_alpha = func(*args)
-    masks = defined_regions(plan_of(func), list(args), {}, [nll, log_alpha])
+    masks = defined_regions(plan_of(func), list(args), {}, (nll, log_alpha))
     assert masks[0] is None and masks[1].shape == log_alpha.shape and masks[1].dtype == torch.bool
     assert torch.equal(masks[1], ~log_alpha.isnan())
     # (batch 3, 6 steps, 2 * 3 + 1 states): row t = 0 of each sequence (7), then t in 1..5 of the first
@@ -352,7 +352,7 @@ def test_ctc_defined_region(targets_1d, lengths_as_tensors):
 def test_defined_regions_default_is_none():
     """Ops with no rule define every element of their outputs."""
     x = torch.randn(3)
-    assert defined_regions(plan_of(aten.exp.default), [x], {}, [x.exp()]) is None
+    assert defined_regions(plan_of(aten.exp.default), [x], {}, x.exp()) is None
 
 
 def _masked_backward_calls() -> dict:

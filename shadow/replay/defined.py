@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..plan import OpPlan
+from ..plan import OpPlan, flat_returns
 from ..rules import RuleTable
 
 aten = torch.ops.aten
@@ -39,12 +39,13 @@ DEFINED: RuleTable[DefinedRule] = RuleTable("defined region")
 register_defined = DEFINED.register
 
 
-def defined_regions(plan: OpPlan, args: Any, kwargs: Any, outputs: list) -> list | None:
+def defined_regions(plan: OpPlan, args: Any, kwargs: Any, out: Any) -> list | None:
     """Per output slot, a CPU bool mask of the elements the op defines (None: all of them); None when the
-    op defines every element of every output (no rule, or every rule fell through)."""
-    if not DEFINED.chain(plan.func):  # most ops: no rule, nothing to build
+    op defines every element of every output (no rule, or every rule fell through). ``out``: what the op
+    returned (a tuple for several returns)."""
+    if not DEFINED.chain(plan.func):  # most ops: no rule, nothing to build (asked on every op call)
         return None
-    masks = DEFINED.run(plan.func, plan, args, kwargs, outputs)
+    masks = DEFINED.run(plan.func, plan, args, kwargs, [t for _, t in flat_returns(plan, out)])
     if masks is NotImplemented or all(m is None for m in masks):
         return None
     return masks
