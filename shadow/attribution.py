@@ -1,13 +1,16 @@
-"""Which module and phase each op call belongs to.
+"""Which module, phase and line of the user's code each op call belongs to.
 
 Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker`` (``_Tracker``: pass-through
 modules and leaf inputs handled); the optimizer phase from the optimizer step hooks, where parameter (and
 gradient, optimizer state) storages are mapped to the parameter's dotted name so optimizer ops are charged to
-it; each op of a step (``where``, from all of its arguments and its outputs) names its fresh outputs too.
+it; each op of a step (``where``, from all of its arguments and its outputs) names its fresh outputs too. Call
+sites (``_Callsites``) are the first frame outside torch and shadow; a backward op takes the call site of the
+forward op whose autograd node runs it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from typing import Any, Callable
@@ -20,6 +23,10 @@ from torch.utils.module_tracker import ModuleTracker
 
 from .plan import ArgType, flat_returns, plan_of
 from .records import Phase
+
+# frames in these directories are not the user's: the first frame outside them is an op's call site
+_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_NODE_KEY = "shadow.callsite"  # the key under which a forward op's call site is kept in its autograd node
 
 
 class _Tracker(ModuleTracker):
@@ -218,14 +225,78 @@ def _storage(t: torch.Tensor) -> int | None:
     return t.untyped_storage()._cdata
 
 
-class Attribution:
-    """Tracks the current module and phase while a ShadowMode is active."""
+class _Callsites:
+    """The call site of an op: ``file:line`` of the first frame outside torch and shadow (relative to the working
+    directory when under it). Frames are classified once per code object and names formatted once per line, so
+    the per-op cost is a walk over the few torch frames above the user's.
 
-    def __init__(self, on_compiled: Callable[[str, torch.nn.Module], None] | None = None) -> None:
+    A backward op runs from the autograd engine, where the user's frame is the ``loss.backward()`` line: it takes
+    the call site of the forward op that built its autograd node instead. A forward op's outputs get their node
+    only after the op returns (autograd wraps the dispatch), so the call site is written into the node's
+    ``metadata`` when the next op is seen (``bind``)."""
+
+    def __init__(self) -> None:
+        self._internal: dict[Any, bool] = {}
+        self._names: dict[tuple[Any, int], str] = {}
+        self._cwd = os.getcwd() + os.sep
+        self._pending: tuple[tuple, str, int] | None = None  # the last forward op's (outputs, call site, index)
+        self.on_node: Callable[[int, torch.Tensor], None] | None = None  # (record index, output) once it has a node
+
+    def here(self) -> str:
+        f = sys._getframe(2)
+        internal, names = self._internal, self._names
+        while f is not None:
+            code = f.f_code
+            inside = internal.get(code)
+            if inside is None:
+                inside = internal[code] = code.co_filename.startswith(_INTERNAL)
+            if not inside:
+                key = (code, f.f_lineno)
+                name = names.get(key)
+                if name is None:
+                    path = code.co_filename
+                    name = names[key] = f"{path[len(self._cwd):] if path.startswith(self._cwd) else path}:{key[1]}"
+                return name
+            f = f.f_back
+        return ""
+
+    def backward(self) -> str:
+        self.bind()
+        node = torch._C._current_autograd_node()
+        site = node.metadata.get(_NODE_KEY) if node is not None else None
+        return site if site is not None else self.here()
+
+    def forward(self, out: Any, site: str, index: int) -> None:
+        self.bind()
+        # weak references: a strong one makes a factory function (torch.ones) detach its result to return it
+        outs = tuple(weakref.ref(t) for t in (out if isinstance(out, (tuple, list)) else (out,))
+                     if isinstance(t, torch.Tensor))
+        self._pending = (outs, site, index) if outs else None
+
+    def bind(self) -> None:
+        """Write the last forward op's call site into the autograd nodes its outputs now have."""
+        if self._pending is None:
+            return
+        outs, site, index = self._pending
+        self._pending = None
+        for ref in outs:
+            t = ref()
+            if t is not None and t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault(_NODE_KEY, site)
+                if self.on_node is not None:
+                    self.on_node(index, t)
+
+
+class Attribution:
+    """Tracks the current module, phase and call site while a ShadowMode is active."""
+
+    def __init__(self, on_compiled: Callable[[str, torch.nn.Module], None] | None = None,
+                 callsites: bool = True) -> None:
         self._tracker = _Tracker()
         self._tracker.on_compiled = on_compiled
         self._steps = _StepNames(self._tracker)
         self._handles: list = []
+        self.callsites = _Callsites() if callsites else None
 
     def __enter__(self) -> Attribution:
         self._tracker.__enter__()
@@ -236,21 +307,30 @@ class Attribution:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.callsites is not None:
+            self.callsites.bind()
         for h in self._handles:
             h.remove()
         self._handles = []
         self._tracker.__exit__(*exc)
 
-    def where(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[str, Phase]:
-        """(module, phase) of the op call that just ran on the device: inside an optimizer step, the parameter
-        its arguments belong to (its fresh outputs then take that name)."""
+    def where(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any,
+              index: int = -1) -> tuple[str, Phase, str]:
+        """(module, phase, call site) of the op call that just ran on the device (``index``: its record's):
+        inside an optimizer step, the module is the parameter its arguments belong to (its fresh outputs then take
+        that name); the call site is "" with ``callsites=False``."""
+        sites = self.callsites
         if self._steps.optimizers:
             try:
                 self._steps.call(func, args, kwargs, out)
             except Exception:  # never raise into the user's program: the call keeps the fallback name
                 pass
-            return self._steps.current, Phase.OPTIMIZER
+            return self._steps.current, Phase.OPTIMIZER, sites.here() if sites is not None else ""
         module = _innermost(self._tracker.parents)
         if torch._C._current_graph_task_id() != -1:
-            return module, Phase.BACKWARD
-        return module, (Phase.FORWARD if module else Phase.OTHER)
+            return module, Phase.BACKWARD, sites.backward() if sites is not None else ""
+        if sites is None:
+            return module, (Phase.FORWARD if module else Phase.OTHER), ""
+        site = sites.here()
+        sites.forward(out, site, index)
+        return module, (Phase.FORWARD if module else Phase.OTHER), site

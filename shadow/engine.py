@@ -69,6 +69,7 @@ class Prepared:
     cpu: Args | None = None  # compare_cpu: the device's inputs on the CPU, in their own dtypes
     exact: bool = True  # every shadow input equals the device's: local error = drift
     nonfinite_in: bool = False  # some input's storage holds a NaN or an infinity
+    inputs_drift: float = 0.0  # the largest drift rel_norm of an input's storage
     inputs: list[torch.Tensor] | None = None  # device tensors read (naming)
     storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
@@ -142,6 +143,10 @@ class Engine:
         self.spot = SpotPolicy(options.spot_checks)
         self._plans: dict[Any, tuple[OpPlan, tuple] | None] = {}
         self._index = 0
+        # shadow.attribute's hooks (None in a plain ShadowMode): which calls to make exact on the device, given
+        # (op, module, phase, call site); and a look at each judged call's record and outputs
+        self.exact_when: Callable[[str, str, Any, str], bool] | None = None
+        self.observe: Callable[[Record, list[Output]], None] | None = None
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
@@ -283,6 +288,8 @@ class Engine:
             return torch.zeros(t.shape, dtype=sd)
         e = self._entry(p.plan, t)
         p.nonfinite_in = p.nonfinite_in or e.nonfinite
+        if e.drift > p.inputs_drift:
+            p.inputs_drift = e.drift
         if declared:
             m.note_write(e)
         p.exact = p.exact and e.exact
@@ -316,12 +323,31 @@ class Engine:
         outputs = self._outputs(p, args, kwargs, out, souts, louts)
         regions = defined_regions(plan, args, kwargs, out)
         verdict = self._judge(p, outputs, out, louts if p.local is not None else souts, regions)
+        at = self.attr.where(plan.func, args, kwargs, out, self._index)
+        if self.exact_when is not None and kind is not Kind.RANDOM and self.exact_when(plan.name, *at):
+            self._make_exact(outputs, verdict.compared)
         for o, c in zip(outputs.items, verdict.compared):
             self._commit(p, o, c)
         cpu = self._cpu_error(p, outputs) if p.cpu is not None and kind is not Kind.RANDOM else None
         result = next((o.device for o in outputs.items if isinstance(o.device, torch.Tensor)), None)
-        self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs, cpu=cpu,
-                     result=result, nonfinite_in=p.nonfinite_in)
+        rec = self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs,
+                           cpu=cpu, result=result, nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift, at=at)
+        if self.observe is not None:
+            self.observe(rec, outputs.items)
+
+    def _make_exact(self, outputs: Outputs, compared: list[Compared]) -> None:
+        """``shadow.attribute``'s ablation: the device's floating results replaced by their float64 references
+        rounded to the device dtype, before the mirror keeps their shadows (which are not the device's now). The
+        only place shadow writes to the device, and only when ``exact_when`` asks (never in ShadowMode)."""
+        for o, c in zip(outputs.items, compared):
+            d, ref = o.device, o.reference
+            if not isinstance(d, torch.Tensor) or not isinstance(ref, torch.Tensor) or c.keep is None or c.mismatch \
+                    or not (d.is_floating_point() or d.is_complex()) or ref.shape != d.shape or not d.numel():
+                continue
+            d.copy_(ref)
+            c.exact = False
+            if o.written:  # the op's own write was counted; this copy bumps the version counter once more
+                self.mirror.note_write(self.mirror.entry(d))
 
     def _outputs(self, p: Prepared, args, kwargs, out, souts, louts) -> Outputs:
         """Written arguments (in-place, out=), then fresh returns, then an .item()-like number. Slots follow
@@ -528,11 +554,13 @@ class Engine:
         m, dev = self.mirror, o.device
         if c.mismatch:  # the device's value, adopted
             m.assign(dev, c.keep, exact=True, fresh=True, nonfinite=not bool(torch.isfinite(dev).all()))
-        elif o.written:
-            m.commit_write(dev, c.keep, c.exact, c.nonfinite)
+            return
+        drift = c.drift.rel_norm if c.drift is not None and not c.exact else 0.0
+        if o.written:
+            m.commit_write(dev, c.keep, c.exact, c.nonfinite, drift)
         else:
             e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
-                         nonfinite=c.nonfinite)
+                         nonfinite=c.nonfinite, drift=drift)
             if shadow_dtype_of(dev.dtype) is not None:
                 m.unobserved_write(dev, e)  # start tracking the new output's version counter
 
@@ -568,9 +596,10 @@ class Engine:
 
     def _record(self, plan: OpPlan, kind: Kind, args, kwargs, out, *, verdict: Verdict | None = None, item=None,
                 reason: str = "", inputs=(), cpu: ErrorStats | None = None, result: Any = False,
-                nonfinite_in: bool = False) -> None:
-        """``result``: the call's first tensor result, when the caller knows it (False: look it up)."""
-        module, phase = self.attr.where(plan.func, args, kwargs, out)
+                nonfinite_in: bool = False, inputs_drift: float = 0.0, at: tuple | None = None) -> Record:
+        """``result``: the call's first tensor result, when the caller knows it (False: look it up); ``at``:
+        (module, phase, call site) when the caller asked for them already."""
+        module, phase, site = at if at is not None else self.attr.where(plan.func, args, kwargs, out, self._index)
         fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
         if result is False:
             result = _first_tensor(plan, args, kwargs, out)
@@ -578,14 +607,15 @@ class Engine:
             (_dtype_name(result.dtype), () if result.is_nested else tuple(result.shape))  # nested: no one shape
         if verdict is None:
             rec = Record(self._index, plan.name, module, phase, kind, reason=reason, item=item, cpu_fallback=fallback,
-                         cpu=cpu, dtype=dtype, shape=shape)
+                         cpu=cpu, dtype=dtype, shape=shape, callsite=site)
         else:
             v = verdict
             rec = Record(self._index, plan.name, module, phase, kind, v.local, v.drift, v.flips, v.local_flips,
                          v.mismatch, item, reason, v.spot, v.budget, fallback, cpu, dtype, shape, nonfinite_in,
-                         v.skipped)
+                         v.skipped, site, inputs_drift)
         self._index += 1
         self.report.add(rec)
+        return rec
 
     # --- queries ---
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
 
 
 class _Entry:
-    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes", "nonfinite")
+    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes", "nonfinite", "drift")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
                  nonfinite: bool):
@@ -41,6 +41,7 @@ class _Entry:
         self.exact = exact  # the shadow equals the device's values exactly
         self.writes = writes  # writes seen through ops that bump the version counter
         self.nonfinite = nonfinite  # the device's values hold a NaN or an infinity (as far as shadow saw)
+        self.drift = 0.0  # rel_norm of the drift of the last value written (a partial write: the larger)
 
 
 def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,12 @@ def _still_nonfinite(e: _Entry, t: torch.Tensor, written: bool) -> bool:
     """Whether a storage holds a NaN/Inf after ``t`` (non-finite or not: ``written``) was written into it: a write
     over the whole storage decides; a partial one keeps what the rest held."""
     return written if t.numel() * t.element_size() == e.nbytes else (e.nonfinite or written)
+
+
+def _drift_after(e: _Entry, t: torch.Tensor, drift: float) -> float:
+    """A storage's drift after ``t`` was written with ``drift``: a write over the whole storage decides; a partial
+    one keeps the larger."""
+    return drift if t.numel() * t.element_size() == e.nbytes else max(e.drift, drift)
 
 
 def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> None:
@@ -178,12 +185,13 @@ class Mirror:
             self.sweep()
 
     # --- writing ---
-    def assign(self, t: torch.Tensor, value: torch.Tensor, exact: bool, fresh: bool, nonfinite: bool = False) -> _Entry:
+    def assign(self, t: torch.Tensor, value: torch.Tensor, exact: bool, fresh: bool, nonfinite: bool = False,
+               drift: float = 0.0) -> _Entry:
         """Make ``value`` the shadow of device tensor t (an op's output).
 
         ``fresh``: value is a new tensor no other shadow aliases, so it can become the storage shadow
         without a copy when t covers its whole storage contiguously. ``nonfinite``: t holds a NaN or an
-        infinity."""
+        infinity; ``drift``: the rel_norm of t against value."""
         st = t.untyped_storage()
         key = st._cdata
         e = self._entries.get(key)
@@ -194,6 +202,7 @@ class Mirror:
                 _write_region(b, t, value)
                 e.exact = e.exact and exact
                 e.nonfinite = _still_nonfinite(e, t, nonfinite)
+                e.drift = _drift_after(e, t, drift)
                 return e
         n = st.nbytes() // itemsize
         sd = self.shadow_dtype(t.dtype)
@@ -211,10 +220,13 @@ class Mirror:
             base = _storage_values(t, n).to(device="cpu", dtype=sd, copy=True)
             _write_region(base, t, value)
         covers = t.numel() == n
-        return self._keep(st, _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
-                                     nonfinite if covers else nonfinite or _nonfinite(_storage_values(t, n))))
+        new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
+                     nonfinite if covers else nonfinite or _nonfinite(_storage_values(t, n)))
+        new.drift = drift
+        return self._keep(st, new)
 
-    def commit_write(self, t: torch.Tensor, shadow_view: torch.Tensor, exact: bool, nonfinite: bool = False) -> None:
+    def commit_write(self, t: torch.Tensor, shadow_view: torch.Tensor, exact: bool, nonfinite: bool = False,
+                     drift: float = 0.0) -> None:
         """After an op wrote device tensor t and its replay wrote ``shadow_view``: keep the result.
 
         Usually the replay wrote into the storage shadow already; when the op moved or resized t's
@@ -232,8 +244,9 @@ class Mirror:
         ):
             e.exact = e.exact and exact
             e.nonfinite = _still_nonfinite(e, t, nonfinite)
+            e.drift = _drift_after(e, t, drift)
             return
-        self.assign(t, shadow_view, exact, fresh=False, nonfinite=nonfinite)
+        self.assign(t, shadow_view, exact, fresh=False, nonfinite=nonfinite, drift=drift)
 
     # --- versions: writes shadow did not see ---
     def note_write(self, e: _Entry) -> None:

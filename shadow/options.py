@@ -21,9 +21,10 @@ class Options:
     spot_checks: Any = "default"  # mpmath spot checks, parsed into a SpotConfig (shadow.spot.SpotConfig.parse)
     budgets: bool = True  # hold each local error to the op's a-priori error budget (shadow.budgets)
     compare_cpu: bool = False  # also run each op on the CPU in the device's dtype: device error / CPU error
+    callsites: bool = True  # record each call's line in the user's code (Record.callsite, Report.by_callsite)
 
     def __post_init__(self) -> None:
-        for name in ("local", "drift", "budgets", "compare_cpu"):
+        for name in ("local", "drift", "budgets", "compare_cpu", "callsites"):
             if not isinstance(getattr(self, name), bool):
                 raise ShadowOptionError(f"{name}={getattr(self, name)!r}: expected True or False")
         if self.follow not in FOLLOW:

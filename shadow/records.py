@@ -84,6 +84,8 @@ class Record:
     shape: tuple[int, ...] = ()  # ... and its shape
     inputs_nonfinite: bool = False  # some input held a NaN or an infinity: non-finite outputs flow from there
     skipped: int = 0  # output elements not compared because the op leaves them undefined (shadow.replay.defined)
+    callsite: str = ""  # file:line of the user's code that ran it (a backward op: its forward op's); "" if off
+    inputs_drift: float = 0.0  # the largest drift rel_norm among its floating inputs (of their storages)
 
     @property
     def cpu_ratio(self) -> float | None:
@@ -101,6 +103,30 @@ class Record:
         Default budgets (a few ulps guessed for ops no rule knows) never make a call over budget: they are
         no evidence."""
         return self.budget is not None and not self.budget.is_default and self.budget.used > 1.0
+
+    @property
+    def introduced(self) -> float | None:
+        """The error this call adds itself: its local error's rel_norm (None: no local figure)."""
+        return self.local.rel_norm if self.local is not None else None
+
+    @property
+    def amplification(self) -> float | None:
+        """How much this call magnifies the drift it receives: (output drift - its own error) / input drift, in
+        rel_norm, a lower bound of the propagated part by the triangle inequality. ~1 or less: it passes drift
+        on; >> 1: it magnifies it (a normalization dividing by a small variance, Adam dividing by the square
+        root of a zero gradient's second moment). None: its inputs carried no drift, or no drift figure."""
+        if self.drift is None or not 0.0 < self.inputs_drift < math.inf or not math.isfinite(self.drift.rel_norm):
+            return None
+        return max(self.drift.rel_norm - (self.introduced or 0.0), 0.0) / self.inputs_drift
+
+    @property
+    def zero_reference(self) -> int:
+        """Elements whose float64 reference is exactly 0 where the device is not (the more of the local error's
+        and the drift's): there any error is ~1e30 ulp and an infinite relative error. Such huge figures say the
+        true value is exactly 0 (``x - x.mean()`` of a constant x; a gradient that cancels exactly), not that a
+        kernel is inaccurate: read ``max_abs``."""
+        return max(self.local.zero_reference if self.local is not None else 0,
+                   self.drift.zero_reference if self.drift is not None else 0)
 
     @property
     def nonfinite(self) -> int:

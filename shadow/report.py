@@ -15,9 +15,12 @@ from .metrics import ErrorStats
 from .records import Event, Kind, Phase, Record, numbers
 
 FORMAT = "shadow-report"
-VERSION = 4  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls
-READS = (1, 2, 3, 4)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget family
-# "kind" and over_budget_calls "over_budget"
+VERSION = 5  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
+# 5: call sites, input drift, aggregates by (op, module, call site, phase) ("cells")
+READS = (1, 2, 3, 4, 5)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget
+# family "kind" and over_budget_calls "over_budget", 4 had no call sites (its aggregates: by op and module only)
+VIEWS = ("op", "module", "callsite", "phase")  # the ways aggregates are grouped (Report.view)
+_CELL = {"op": 0, "module": 1, "callsite": 2, "phase": 3}  # a view's position in a cell's key
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,6 +76,23 @@ class Aggregate:
             if self.first_nonfinite is None:
                 self.first_nonfinite = rec.index
 
+    def merge(self, other: Aggregate) -> None:
+        """Fold in another aggregate (of other calls): counts add, worst figures combine."""
+        self.calls += other.calls
+        for mine, theirs in ((self.kinds, other.kinds), (self.dtypes, other.dtypes)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        for name in ("max_local_ulp", "max_local_ulp_nonzero", "max_local_abs", "max_drift_rel", "max_drift_ulp",
+                     "max_budget_used"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
+        for name in ("zero_reference_calls", "flips", "nonfinite", "budgeted_calls", "over_budget_calls",
+                     "spot_checked", "spot_untrusted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.min_effective_bits = min(self.min_effective_bits, other.min_effective_bits)
+        if other.first_nonfinite is not None and (self.first_nonfinite is None
+                                                  or other.first_nonfinite < self.first_nonfinite):
+            self.first_nonfinite = other.first_nonfinite
+
 
 @dataclasses.dataclass(slots=True)
 class Coverage:
@@ -124,21 +144,25 @@ class Report:
         self.meta = dict(meta or {})
         self.records: list[Record] = []
         self.dropped_records = 0
-        self.by_op: dict[str, Aggregate] = {}
-        self.by_module: dict[str, Aggregate] = {}
         self.coverage = Coverage()
         self.events: list[Event] = []
+        # every call lands in one cell, keyed (op, module, call site, phase); the views merge cells on demand
+        self._cells: dict[tuple[str, str, str, str], Aggregate] = {}
+        self._views: dict[tuple[str, str | None], dict[str, Aggregate]] = {}  # merged views, until the next add
+        self._legacy: dict[str, dict[str, Aggregate]] | None = None  # by op and module of a report saved before 5
 
     def add(self, rec: Record) -> None:
         self.coverage.calls += 1
         self.coverage.kinds[rec.kind] = self.coverage.kinds.get(rec.kind, 0) + 1
         if rec.kind is Kind.UNSUPPORTED:
             self.coverage.unsupported.setdefault(rec.op, rec.reason)
-        for table, key in ((self.by_op, rec.op), (self.by_module, rec.module)):
-            agg = table.get(key)
-            if agg is None:
-                agg = table[key] = Aggregate()
-            agg.add(rec)
+        key = (rec.op, rec.module, rec.callsite, rec.phase)
+        agg = self._cells.get(key)
+        if agg is None:
+            agg = self._cells[key] = Aggregate()
+        agg.add(rec)
+        if self._views:
+            self._views.clear()
         if self.max_records is None or len(self.records) < self.max_records:
             self.records.append(rec)
         else:
@@ -167,6 +191,72 @@ class Report:
     def mirror_counts(self, adopted: int, reinterpreted: int) -> None:
         """The mirror's own counts, at the end of a ``with`` block."""
         self.coverage.tensors_adopted, self.coverage.reinterpreted = adopted, reinterpreted
+
+    # --- aggregates: every call, whether or not its record was kept ---
+    @property
+    def by_op(self) -> dict[str, Aggregate]:
+        """Aggregates by op overload ("aten.mm.default")."""
+        return self.view("op")
+
+    @property
+    def by_module(self) -> dict[str, Aggregate]:
+        """Aggregates by the innermost module ("Net.fc1"; optimizer ops by parameter, "Net.fc1.weight")."""
+        return self.view("module")
+
+    @property
+    def by_callsite(self) -> dict[str, Aggregate]:
+        """Aggregates by call site ("model.py:42": the user's line; a backward op: its forward op's line)."""
+        return self.view("callsite")
+
+    @property
+    def by_phase(self) -> dict[str, Aggregate]:
+        """Aggregates by phase ("forward", "backward", "optimizer", "other")."""
+        return self.view("phase")
+
+    def view(self, by: str = "op", phase: str | None = None) -> dict[str, Aggregate]:
+        """Aggregates grouped ``by`` "op", "module", "callsite" or "phase", over the calls of one ``phase`` (None:
+        all). Computed from the per-(op, module, call site, phase) cells, kept until the next call is added.
+
+        >>> rep.view("module", phase="backward")["Net.fc1"].max_budget_used   # doctest: +SKIP
+        """
+        if by not in VIEWS:
+            raise ValueError(f"view(by={by!r}): expected one of {', '.join(map(repr, VIEWS))}")
+        _check_phase("view", phase)
+        found = self._views.get((by, phase))
+        if found is not None:
+            return found
+        if self._legacy is not None:
+            if by in self._legacy and phase is None:
+                return self._legacy[by]
+            raise ValueError(f"view(by={by!r}, phase={phase!r}): this report was saved by a shadow before call "
+                             "sites and phases were aggregated (format version < 5): only by='op' and by='module' "
+                             "over all phases; re-run the program with this shadow for the others")
+        i = _CELL[by]
+        found = {}
+        for key, agg in self._cells.items():
+            if phase is not None and key[3] != phase:
+                continue
+            a = found.get(key[i])
+            if a is None:
+                a = found[key[i]] = Aggregate()
+            a.merge(agg)
+        self._views[(by, phase)] = found
+        return found
+
+    def module_tree(self, phase: str | None = None) -> dict[str, Aggregate]:
+        """Aggregates of every module path with its submodules' calls folded in ("Net.encoder" holds
+        "Net.encoder.layer.0", ...; a parameter's optimizer ops count under its module), over one ``phase``
+        (None: all). "" holds the calls outside any module."""
+        tree: dict[str, Aggregate] = {}
+        for name, agg in self.view("module", phase).items():
+            parts = name.split(".") if name else [""]
+            for depth in range(1, len(parts) + 1):
+                key = ".".join(parts[:depth])
+                a = tree.get(key)
+                if a is None:
+                    a = tree[key] = Aggregate()
+                a.merge(agg)
+        return tree
 
     # --- queries ---
     def first_nonfinite(self) -> Record | None:
@@ -200,15 +290,16 @@ class Report:
 
         >>> rep.find(op="mm", phase="backward")    # doctest: +SKIP
         """
-        if phase is not None and phase not in {p.value for p in Phase}:
-            raise ValueError(f"find(phase={phase!r}): expected one of {', '.join(repr(p.value) for p in Phase)}")
+        _check_phase("find", phase)
         return [r for r in self.records
                 if (op is None or _names_op(op, r.op)) and (module is None or r.module == module)
                 and (phase is None or r.phase == phase)]
 
-    def table(self, by: str = "op", top: int | None = None) -> str:
-        """A text table of the aggregates, sorted by the worst budget used, then the worst local ulp, then the
-        worst drift.
+    def table(self, by: str = "op", top: int | None = None, *, phase: str | None = None, tree: bool = False) -> str:
+        """A text table of the aggregates ``by`` "op", "module", "callsite" or "phase" (``Report.view``), over the
+        calls of one ``phase`` (None: all), sorted by the worst budget used, then the worst local ulp, then the
+        worst drift. ``tree=True`` (by="module"): every module path with its submodules folded in, in tree order,
+        indented by depth.
 
         columns: calls, the result dtypes (only when the run mixes floating dtypes, as under autocast), max
         local ulp (over elements whose reference is not 0; ``z``: some reference is exactly 0 where the device
@@ -217,18 +308,22 @@ class Report:
         exact or no budget; a long TF32 matmul within its worst-case budget still reads ~10 here), max drift
         rel_norm, flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
         untrustworthy (``!`` marks rows with any)."""
-        tables = {"op": self.by_op, "module": self.by_module}
-        if by not in tables:
-            raise ValueError(f"table(by={by!r}): expected one of {sorted(tables)}")
-        rows = sorted(tables[by].items(),
-                      key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero, -kv[1].max_drift_rel,
-                                      kv[0]))
+        if tree and by != "module":
+            raise ValueError(f"table(by={by!r}, tree=True): a tree is of modules: use by='module'")
+        table = self.module_tree(phase) if tree else self.view(by, phase)
+        if tree:  # parents first, children below them, indented
+            rows = [(("  " * k.count(".")) + (k.rsplit(".", 1)[-1] if k else ""), table[k])
+                    for k in sorted(table, key=lambda k: k.split("."))]
+        else:
+            rows = sorted(table.items(),
+                          key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero,
+                                          -kv[1].max_drift_rel, kv[0]))
         if top is not None:
             if isinstance(top, bool) or not isinstance(top, int) or top < 0:
                 raise ValueError(f"table(top={top!r}): expected None (every row) or an int >= 0")
             rows = rows[:top]
         name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
-        mixed = len({d for a in tables[by].values() for d in a.dtypes if _floating(d)}) > 1
+        mixed = len({d for a in table.values() for d in a.dtypes if _floating(d)}) > 1
         dtypes = {key: "/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-" for key, a in rows}
         dtype_w = max([5] + [len(v) for v in dtypes.values()]) if mixed else 0
         dtype_col = (lambda text: f"  {text:<{dtype_w}}") if mixed else (lambda text: "")
@@ -255,6 +350,9 @@ class Report:
             "max_records": self.max_records,
             "dropped_records": self.dropped_records,
             "records": [r.to_dict() for r in self.records],
+            "cells": [{"op": k[0], "module": k[1], "callsite": k[2], "phase": str(k[3]),
+                       "aggregate": dataclasses.asdict(v)} for k, v in self._cells.items()],
+            # by_op and by_module are the cells merged: written for readers of the file, recomputed on load
             "by_op": {k: dataclasses.asdict(v) for k, v in self.by_op.items()},
             "by_module": {k: dataclasses.asdict(v) for k, v in self.by_module.items()},
             "coverage": dataclasses.asdict(self.coverage),
@@ -268,8 +366,9 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict) -> Report:
-        """A report from its saved form (``to_dict``); versions 1 to 4 load (later versions only added
-        fields, and the two renamed in version 4 are read under their old names). Anything malformed raises
+        """A report from its saved form (``to_dict``); versions 1 to 5 load (later versions only added
+        fields, and the two renamed in version 4 are read under their old names; before version 5, aggregates
+        exist by op and by module only). Anything malformed raises
         ``ReportFormatError`` naming what is wrong and where."""
         if not isinstance(d, dict):
             raise ReportFormatError(f"not a shadow report: expected a JSON object, got {type(d).__name__}")
@@ -289,12 +388,17 @@ class Report:
         for i, r in enumerate(_list(d, "records")):
             with _reading(f"records[{i}]"):
                 rep.records.append(Record.from_dict(r))
+        legacy = {}
         for name in ("by_op", "by_module"):
-            table = {}
+            table = legacy[name[3:]] = {}
             for key, v in _dict(d, name).items():
                 with _reading(f"{name}[{key!r}]"):
                     table[key] = _aggregate(v)
-            setattr(rep, name, table)
+        if version < 5:
+            rep._legacy = legacy
+        for i, c in enumerate(_list(d, "cells") if version >= 5 else ()):
+            with _reading(f"cells[{i}]"):
+                rep._cells[(c["op"], c["module"], c["callsite"], Phase(c["phase"]))] = _aggregate(c["aggregate"])
         with _reading("coverage"):
             rep.coverage = Coverage(**_dict(d, "coverage"))
         rep.events = []
@@ -380,6 +484,12 @@ def _budget_cell(a: Aggregate) -> str:
     if not a.budgeted_calls:
         return "-"
     return _fmt(a.max_budget_used) + (" !" if a.over_budget_calls else "")
+
+
+def _check_phase(where: str, phase: str | None) -> None:
+    if phase is not None and phase not in {p.value for p in Phase}:
+        raise ValueError(f"{where}(phase={phase!r}): expected None (all) or one of "
+                         f"{', '.join(repr(p.value) for p in Phase)}")
 
 
 def _names_op(name: str, op: str) -> bool:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import shadow
 from shadow import ShadowMode, ShadowOptionError
 from shadow.metrics import compare
+from shadow.report import VERSION
 
 aten = torch.ops.aten
 f64 = torch.float64
@@ -579,7 +580,10 @@ def test_malformed_reports_say_what_is_wrong_and_where(tmp_path):
     bad = copy.deepcopy(good)
     del bad["coverage"]["calls"], bad["meta"]
     cases.append((bad, "the report's header: missing field 'meta'"))
-    cases.append((dict(good, version=5), "written by a newer shadow"))
+    bad = copy.deepcopy(good)
+    del bad["cells"][0]["callsite"]
+    cases.append((bad, r"cells\[0\]: missing field 'callsite'"))
+    cases.append((dict(good, version=VERSION + 1), "written by a newer shadow"))
     cases.append(([1, 2], "expected a JSON object"))
     for d, says in cases:
         with pytest.raises(shadow.ReportFormatError, match=says):

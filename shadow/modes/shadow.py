@@ -52,9 +52,11 @@ class ShadowMode:
         spot_checks: Any = "default",  # mpmath checks of the float64 reference: "off", "default", n, {op: n}, "all"
         budgets: bool = True,  # hold each op's local error to its a-priori error budget
         compare_cpu: bool = False,  # also run each op on the CPU in the device dtype: record.cpu, record.cpu_ratio
+        callsites: bool = True,  # record each call's line in the user's code: record.callsite, report.by_callsite
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
-                               spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu)
+                               spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu,
+                               callsites=callsites)
         self._active = 0
         self.reset()
 
@@ -63,7 +65,7 @@ class ShadowMode:
         if self._active:
             raise RuntimeError("ShadowMode.reset() inside its `with` block: call it after the block exits")
         self.report = Report(max_records=self.options.max_records, meta=self._meta())
-        self._attr = Attribution(on_compiled=self._compiled_module)
+        self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
         self._adopting: dict = {}  # compiled modules whose outputs are adopted (torch 2.4) -> their hook
         self._engine = Engine(self.options, self.report, self._attr)
         self._mode = None
@@ -97,7 +99,7 @@ class ShadowMode:
 
         return {"shadow": __version__, "torch": torch.__version__, "numerics": numerics_settings(), "options": {
             "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow,
-            "spot_checks": repr(self.options.spot_checks)}}
+            "spot_checks": repr(self.options.spot_checks), "callsites": self.options.callsites}}
 
     def __enter__(self) -> ShadowMode:
         if self._active:
