@@ -280,7 +280,7 @@ def _compare_numpy(yn: np.ndarray, rn: np.ndarray, dtype: torch.dtype, n: int, b
             return stats
     ra = np.abs(rn)
     if bn is not None:  # 0/0 (exact where the bound is 0) reads 0, x/0 inf
-        stats.budget_used = float(np.nan_to_num(ad / bn, nan=0.0).max())
+        stats.budget_used = float(np.nan_to_num(ad / bn, nan=0.0, posinf=_INF).max())
     unit = np.maximum(_pow2_floor(rn if rn.dtype == np.float64 else ra, np), torch.finfo(_real_dtype(dtype)).tiny)
     return _finish(stats, m, _norm(ad), _norm(ra), float((ad / unit).max()), dtype)
 
@@ -313,7 +313,7 @@ def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
         lo, hi = torch.aminmax(q)
         used = max(-lo.item(), hi.item())
         if math.isnan(used):  # 0/0: exact where the bound is 0 (rare: a second pass only then)
-            lo, hi = torch.aminmax(q.nan_to_num_(nan=0.0))
+            lo, hi = torch.aminmax(q.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF))
             used = max(-lo.item(), hi.item())
         stats.budget_used = used
     nd, nr = torch.linalg.vector_norm(d).item(), torch.linalg.vector_norm(r).item()
@@ -330,7 +330,7 @@ def _compare_torch_finite(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, d
     if m == 0.0:
         return stats
     if bound is not None:
-        stats.budget_used = (d / bound).nan_to_num_(nan=0.0).max().item()
+        stats.budget_used = (d / bound).nan_to_num_(nan=0.0, posinf=_INF).max().item()
     unit = _pow2_floor(r, torch).clamp_min_(torch.finfo(dtype).tiny)
     return _finish(stats, m, torch.linalg.vector_norm(d).item(), torch.linalg.vector_norm(r).item(),
                    (d / unit).max().item(), dtype)

@@ -89,3 +89,15 @@ def test_comparisons_never_call_blas(monkeypatch):
         st = compare(y, r, torch.float32)
         assert st.norm == pytest.approx(float(torch.linalg.vector_norm(y.double() - r)), rel=1e-12)
         assert st.rel_norm == pytest.approx(st.norm / float(torch.linalg.vector_norm(r)), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [4, 1000, metrics._SMALL + 1])
+def test_budget_over_a_zero_bound_is_infinite_on_every_path(n):
+    # element 0: error 0 over bound 0 (0/0, exact: reads 0); element 1: error 2^-23 over bound 0 (x/0: inf,
+    # never the largest finite float64 that nan_to_num would make of it); the rest: error 0 over bound 1
+    r = torch.ones(n, dtype=f64)
+    y = torch.ones(n)
+    y[1] = 1 + 2**-23
+    bound = torch.ones(n, dtype=f64)
+    bound[:2] = 0.0
+    assert compare(y, r, torch.float32, bound).budget_used == math.inf
