@@ -1,0 +1,268 @@
+"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the run's meta, coverage, the
+calls over budget, the per-op and per-module tables, where NaN/Inf is born, and the plots (``shadow.plots``).
+
+Everything is inline (styles, a small table-sorting script, plots as base64 PNG) and the page's Content Security
+Policy forbids loading anything else, so it opens offline and can be mailed or attached to a bug report as one
+file. Every string from the report is escaped.
+
+>>> from shadow import html
+>>> open("report.html", "w").write(html.render(sm.report))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import math
+import os
+from html import escape
+from typing import Callable, Sequence
+
+from . import plots
+from .cli import _fail, _unwritable, command
+from .errors import ReportFormatError
+from .records import Record
+from .report import Aggregate, Report, _budget_cell, _floating, _fmt, _short_dtype, _ulp_cell, load_report
+
+MAX_ROWS = 500  # rows of the over-budget table; the rest are counted (a long run can have thousands)
+
+_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+_STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: .5em 0; font-size: 13px; }
+th, td { padding: .2em .6em; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; position: sticky; top: 0; }
+table.sortable th { cursor: pointer; } th[aria-sort=descending]::after { content: " \\25BE"; }
+th[aria-sort=ascending]::after { content: " \\25B4"; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+tr.over td { background: #fbe9e9; }
+pre { background: #f7f7f7; padding: .6em; overflow-x: auto; }
+figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption, .note { color: #555; font-size: 13px; }
+"""
+# Click a header to sort by it; numeric cells sort by data-v, the figure before formatting ("784 !" reads 784).
+_SCRIPT = """
+document.querySelectorAll("table.sortable th").forEach(function (th) {
+  th.addEventListener("click", function () {
+    var table = th.closest("table"), col = th.cellIndex, down = th.getAttribute("aria-sort") !== "descending";
+    table.querySelectorAll("th").forEach(function (h) { h.removeAttribute("aria-sort"); });
+    th.setAttribute("aria-sort", down ? "descending" : "ascending");
+    function key(row) {
+      var cell = row.cells[col];
+      return cell.dataset.v === undefined ? cell.textContent : parseFloat(cell.dataset.v);
+    }
+    var rows = Array.prototype.slice.call(table.tBodies[0].rows);
+    rows.sort(function (a, b) {
+      var x = key(a), y = key(b), d = typeof x === "number" ? x - y : String(x).localeCompare(String(y));
+      return down ? -d : d;
+    });
+    rows.forEach(function (row) { table.tBodies[0].appendChild(row); });
+  });
+});
+"""
+
+_CAPTIONS = {
+    "drift": "Drift of each kept call against its shadow, along the op sequence; bands: phases; rings: calls whose "
+             "own (local) error was over budget. Drift that rises at a ring was added by that kernel; drift that "
+             "rises without one was amplified from earlier error.",
+    "budget": "Budget use per op: the worst call's local error over the a-priori bound a correct kernel in its "
+              "dtype may reach. Past the 1.0 line (red): less accurate than the dtype allows.",
+    "modules": "Local error per module and phase (max budget used; - no call held to a rule's budget). A "
+               "parameter's optimizer calls count in its module's row.",
+}
+_LEGEND = ("calls: every call, kept or not; dtype: result dtypes (shown when the run mixes them); local ulp: max "
+           "local error in ulps over elements whose reference is not 0 (z: some reference is exactly 0 where the "
+           "device is not: read the budget there); budget: max budget used (! some call over budget; - only "
+           "default budgets, no evidence); bits: the fewest effective mantissa bits of a call (- exact or no "
+           "budget); drift rel: max drift rel_norm; flips: differing elements of discrete results; nonfin: "
+           "NaN/Inf mismatches; unsup: calls not replayed; untrust: calls whose float64 reference mpmath found "
+           "wrong. Sorted by budget, then local ulp, then drift, as Report.table; click a header to re-sort.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cell:
+    text: str
+    sort: float | None = None  # numeric sort key (data-v); None: sort by the text
+
+    def render(self) -> str:
+        if self.sort is None:
+            return f"<td>{escape(self.text)}</td>"
+        return f'<td class="num" data-v="{_sort_key(self.sort)}">{escape(self.text)}</td>'
+
+
+def render(report: Report, *, title: str = "shadow report") -> str:
+    """The report as one HTML page (a str; write it with ``encoding="utf-8"``). Plots need matplotlib; without it
+    the page says how to install it and shows everything else.
+
+    >>> page = render(shadow.load_report("run.json"))   # doctest: +SKIP
+    """
+    body = [
+        f"<h1>{escape(title)}</h1>",
+        _meta(report),
+        "<h2>Coverage</h2>",
+        f"<pre>{escape(str(report.coverage))}</pre>",
+        _nonfinite(report.nonfinite_origin()),
+        _over_budget(report),
+        "<h2>Per op</h2>",
+        _aggregates(report.by_op, "op"),
+        "<h2>Per module</h2>",
+        _aggregates(report.by_module, "module"),
+        f'<p class="note">{escape(_LEGEND)}</p>',
+        "<h2>Plots</h2>",
+        _plots(report),
+    ]
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f"<title>{escape(title)}</title>\n<style>{_STYLE}</style></head>\n<body>\n"
+            + "\n".join(body) + f"\n<script>{_SCRIPT}</script>\n</body></html>\n")
+
+
+def _meta(report: Report) -> str:
+    """The run's meta: versions and other scalars in a table, each mapping (options, numerics) in its own block."""
+    scalars = {k: v for k, v in report.meta.items() if not isinstance(v, dict)}
+    parts = [_key_values(scalars)] if scalars else []
+    for key, value in report.meta.items():
+        if isinstance(value, dict):
+            opened = " open" if key == "options" else ""
+            parts.append(f"<details{opened}><summary>{escape(str(key))}</summary>{_key_values(value)}</details>")
+    if report.dropped_records:
+        parts.append(f'<p class="note">Per-call records capped at {escape(str(report.max_records))}: '
+                     f"{report.dropped_records} later calls not kept. The per-op and per-module tables count "
+                     "them; the over-budget table, the origin of NaN/Inf and the drift plot do not.</p>")
+    return "<h2>Run</h2>\n" + ("\n".join(parts) if parts else '<p class="note">no meta recorded</p>')
+
+
+def _key_values(d: dict) -> str:
+    rows = "".join(f"<tr><th>{escape(str(k))}</th><td>{escape(str(v))}</td></tr>" for k, v in d.items())
+    return f"<table>{rows}</table>"
+
+
+def _nonfinite(rec: Record | None) -> str:
+    if rec is None:
+        return ("<h2>Where NaN/Inf is born</h2>\n<p>No kept call produced NaN or Inf from finite inputs.</p>")
+    why = {"math": "a math problem: float64 gives NaN/Inf there too",
+           "precision": "a precision problem: float64 is finite there (overflow or underflow of the device dtype)"}
+    where = f" at {rec.module}" if rec.module else ""
+    at = f", {rec.callsite}" if rec.callsite else ""
+    text = f"#{rec.index} {rec.op}{where} ({rec.phase}{at}): {why[rec.nonfinite_cause]}"
+    return f"<h2>Where NaN/Inf is born</h2>\n<p>{escape(text)}</p>"
+
+
+_OVER_COLUMNS = ("#", "op", "module", "phase", "call site", "dtype", "shape", "budget used", "effective bits")
+
+
+def _over_budget(report: Report) -> str:
+    records = report.records_over_budget()
+    head = "<h2>Calls over budget</h2>\n"
+    if not records:
+        return head + "<p>No kept call's local error exceeded its op's budget.</p>"
+    rows = []
+    for rec in records[:MAX_ROWS]:
+        bits = rec.local.effective_bits if rec.local is not None else None
+        cells = [_Cell(str(rec.index), rec.index), _Cell(rec.op), _Cell(rec.module or "(none)"), _Cell(str(rec.phase)),
+                 _Cell(rec.callsite or "-"), _Cell(_short_dtype(rec.dtype) or "-"),
+                 _Cell("x".join(map(str, rec.shape)) or "scalar"), _Cell(_fmt(rec.budget.used), rec.budget.used),
+                 _Cell("-", -1.0) if bits is None or math.isnan(bits) else _Cell(f"{bits:.1f}", bits)]
+        rows.append(cells)
+    more = (f'<p class="note">{len(records) - MAX_ROWS} more calls over budget not listed.</p>'
+            if len(records) > MAX_ROWS else "")
+    intro = (f"<p>{len(records)} kept call(s) whose own error exceeds what a correct kernel in the device dtype may "
+             "make (reduced-precision accumulation, TF32, approximate functions, bugs), worst first.</p>")
+    return head + intro + _table(_OVER_COLUMNS, rows) + more
+
+
+def _aggregates(table: dict[str, Aggregate], by: str) -> str:
+    """The columns of ``Report.table``, in its order (worst budget, then local ulp, then drift)."""
+    if not table:
+        return "<p>No calls.</p>"
+    rows = sorted(table.items(), key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero,
+                                                 -kv[1].max_drift_rel, kv[0]))
+    mixed = len({d for a in table.values() for d in a.dtypes if _floating(d)}) > 1
+    columns = _AGGREGATE_COLUMNS if mixed else [c for c in _AGGREGATE_COLUMNS if c[0] != "dtype"]
+    body = [[_Cell(key or "(none)")] + [cell(a) for _, cell in columns] for key, a in rows]
+    return _table([by] + [name for name, _ in columns], body, [a.over_budget_calls > 0 for _, a in rows])
+
+
+_AGGREGATE_COLUMNS: list[tuple[str, Callable[[Aggregate], _Cell]]] = [
+    ("calls", lambda a: _Cell(str(a.calls), a.calls)),
+    ("dtype", lambda a: _Cell("/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-")),
+    ("local ulp", lambda a: _Cell(_ulp_cell(a), a.max_local_ulp_nonzero)),
+    ("budget", lambda a: _Cell(_budget_cell(a), a.max_budget_used if a.budgeted_calls else -1.0)),
+    ("bits", lambda a: _Cell("-", -1.0) if math.isinf(a.min_effective_bits)
+     else _Cell(f"{a.min_effective_bits:.1f}", a.min_effective_bits)),
+    ("drift rel", lambda a: _Cell(_fmt(a.max_drift_rel), a.max_drift_rel)),
+    ("flips", lambda a: _Cell(str(a.flips), a.flips)),
+    ("nonfin", lambda a: _Cell(str(a.nonfinite), a.nonfinite)),
+    ("unsup", lambda a: _Cell(str(a.kinds.get("unsupported", 0)), a.kinds.get("unsupported", 0))),
+    ("untrust", lambda a: _Cell(f"{a.spot_untrusted} !" if a.spot_untrusted else "0", a.spot_untrusted)),
+]
+
+
+def _table(headers: Sequence[str], rows: list[list[_Cell]], over: list[bool] | None = None) -> str:
+    """A sortable table; rows flagged in ``over`` are shaded (calls over budget)."""
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    flags = over or [False] * len(rows)
+    body = "\n".join(('<tr class="over">' if o else "<tr>") + "".join(c.render() for c in row) + "</tr>"
+                     for row, o in zip(rows, flags))
+    return f'<table class="sortable"><thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody></table>'
+
+
+
+def _plots(report: Report) -> str:
+    try:
+        plots.require_matplotlib()
+    except ImportError as exc:
+        return f'<p class="note">{escape(str(exc))}</p>'
+    figures = []
+    for name, make in plots.FIGURES.items():
+        data = base64.b64encode(plots.png(make(report))).decode("ascii")
+        figures.append(f'<figure id="plot-{name}"><img alt="{escape(name)} plot" src="data:image/png;base64,{data}">'
+                       f"<figcaption>{escape(_CAPTIONS[name])}</figcaption></figure>")
+    return "\n".join(figures)
+
+
+def _sort_key(x: float) -> str:
+    """A figure as data-v: JavaScript's parseFloat reads it, and inf/nan sort at the ends rather than break it."""
+    if math.isnan(x):
+        return "-1e308"
+    return repr(max(min(float(x), 1e308), -1e308))
+
+
+# --- the command ---
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("report", metavar="REPORT", help="a report saved as JSON (shadow run -o PATH, Report.save)")
+    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the HTML file to write")
+    p.add_argument("--png", metavar="DIR", default=None,
+                   help="also write the plots as PNG files into DIR (created if missing)")
+
+
+@command("html", "write a self-contained HTML report", _arguments)
+def _html(args: argparse.Namespace) -> int:
+    try:
+        report = load_report(args.report)
+    except FileNotFoundError:
+        return _fail(f"html: {args.report}: no such file; give a report saved by `shadow run` or Report.save")
+    except OSError as exc:
+        return _fail(f"html: {args.report}: cannot be read ({exc.strerror}); give a report file you can read")
+    except ReportFormatError as exc:
+        return _fail(f"html: {exc}; give a report saved by `shadow run` or Report.save")
+    if problem := _unwritable(args.output):
+        return _fail(f"html: -o {args.output}: {problem}; give a file path in a writable folder")
+    if args.png is not None:
+        if os.path.exists(args.png) and not os.path.isdir(args.png):
+            return _fail(f"html: --png {args.png}: is a file; give a directory (created if missing)")
+        try:
+            plots.require_matplotlib()
+        except ImportError as exc:
+            return _fail(f"html: --png: {exc}")
+    page = render(report)
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(page)
+    print(f"wrote {args.output}")
+    if args.png is not None:
+        for path in plots.write_pngs(report, args.png):
+            print(f"wrote {path}")
+    return 0
