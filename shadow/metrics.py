@@ -10,6 +10,16 @@ from typing import Any
 import numpy as np
 import torch
 
+# The fused comparison pass needs numba; without it (no wheel for the platform, a broken install) compare
+# takes the numpy and torch paths below: slower, the same figures. FUSED_UNAVAILABLE says why.
+try:
+    from . import _fused
+except Exception as exc:  # numba raises ImportError; a broken llvmlite, others
+    _fused = None
+    FUSED_UNAVAILABLE: str | None = f"{type(exc).__name__}: {exc}"
+else:
+    FUSED_UNAVAILABLE = None
+
 _INF = float("inf")
 
 
@@ -132,7 +142,7 @@ def host(t: torch.Tensor) -> np.ndarray:
 
 
 _TINY = 64  # elements: below this a Python loop beats any array call (scalars, biases, optimizer steps)
-_SMALL = 1 << 14  # elements: below this per-call overhead dominates (numpy); above, memory traffic (torch)
+_SMALL = 1 << 14  # without numba: below this per-call overhead dominates (numpy); above, memory traffic (torch)
 
 
 class _Scratch(threading.local):
@@ -167,12 +177,15 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.T
     n = r.numel()
     if n == 0:
         return ErrorStats() if bound is None else ErrorStats(budget_used=0.0)
+    is_complex = y.is_complex() or r.is_complex()  # complex: numpy (the modulus is a pass of its own; rare)
+    if n > _TINY and not is_complex and _fused is not None:
+        return _compare_fused(y, r, dtype, n, bound)
     if bound is not None and bound.shape != r.shape:
         bound = bound.expand(r.shape)
     if n <= _TINY:
         stats = _compare_python(_flat_list(y), _flat_list(r), dtype, n,
                                 None if bound is None else _flat_list(bound))
-    elif y.is_complex() or r.is_complex() or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
+    elif is_complex or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
         stats = _compare_numpy(host(y).reshape(-1), host(r).reshape(-1), dtype, n,
                                None if bound is None else host(bound).reshape(-1))
     else:
@@ -210,6 +223,28 @@ def _finish(stats: ErrorStats, m: float, nd: float, nr: float, ulp_unit_max: flo
     stats.norm = nd
     stats.rel_norm = nd / nr if nr > 0 else _INF
     stats.max_ulp = ulp_unit_max * _consts(dtype)[1]
+    return stats
+
+
+def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
+                   bound: torch.Tensor | None) -> ErrorStats:
+    """Real results above the tiny size: every figure from one read of y and r (shadow._fused), where the
+    paths below read them nine times."""
+    tiny, scale = _consts(dtype)
+    f = _fused.figures(y, r, bound, tiny)
+    stats = ErrorStats(n=n, budget_used=None if bound is None else 0.0,
+                       nonfinite_device=int(f[_fused.DEVICE]), nonfinite_reference=int(f[_fused.REFERENCE]),
+                       nonfinite_mismatch=int(f[_fused.MISMATCH]), nonfinite_agreed=int(f[_fused.AGREED]))
+    m = float(f[_fused.MAX_ABS])
+    if m == 0.0:
+        return stats
+    if bound is not None:
+        stats.budget_used = float(f[_fused.BUDGET])
+    _finish(stats, m, math.sqrt(f[_fused.SUM_D2]), math.sqrt(f[_fused.SUM_R2]), float(f[_fused.MAX_ULP]), dtype)
+    # zero references reported under the same condition as compare's other paths check for them
+    if stats.max_ulp >= scale and f[_fused.ZERO]:
+        stats.zero_reference = int(f[_fused.ZERO])
+        stats.max_ulp_nonzero = float(f[_fused.MAX_ULP_NONZERO]) * scale
     return stats
 
 
@@ -355,3 +390,4 @@ def count_flips(y: torch.Tensor, r: torch.Tensor) -> int:
     if y.shape != r.shape:
         return y.numel()
     return int((y != r).sum())
+

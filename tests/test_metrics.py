@@ -1,8 +1,10 @@
-"""The error units (shadow.metrics), golden values by hand, and agreement of the three comparison paths
-(Python loop for tiny results, numpy for small ones, torch with scratch buffers for large ones)."""
+"""The error units (shadow.metrics), golden values by hand, and agreement of the comparison paths (Python
+loop for tiny results, the fused numba pass above; without numba, numpy for small results and torch with
+scratch buffers for large ones) with each other and with the definitions computed in plain numpy."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,3 +103,178 @@ def test_budget_over_a_zero_bound_is_infinite_on_every_path(n):
     bound = torch.ones(n, dtype=f64)
     bound[:2] = 0.0
     assert compare(y, r, torch.float32, bound).budget_used == math.inf
+
+
+# --- the fused pass (shadow._fused) against the definitions and against the paths it replaced ---
+
+fused = pytest.mark.skipif(metrics._fused is None, reason=f"numba unavailable: {metrics.FUSED_UNAVAILABLE}")
+EXACT = ("n", "max_abs", "max_ulp", "budget_used", "nonfinite_device", "nonfinite_reference", "nonfinite_mismatch",
+         "nonfinite_agreed", "zero_reference", "max_ulp_nonzero")
+
+
+def _by_definition(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.Tensor | None) -> ErrorStats:
+    """ErrorStats by README: Error units, in plain float64 numpy, one figure at a time."""
+    yn = y.double().reshape(-1).numpy()
+    rn = r.reshape(-1).numpy()
+    bn = None if bound is None else torch.broadcast_to(bound, r.shape).reshape(-1).numpy()
+    fy, fr = np.isfinite(yn), np.isfinite(rn)
+    same = (yn == rn) | (np.isnan(yn) & np.isnan(rn))
+    st = ErrorStats(n=yn.size, budget_used=None if bn is None else 0.0,
+                    nonfinite_device=int((~fy & fr).sum()), nonfinite_reference=int((fy & ~fr).sum()),
+                    nonfinite_mismatch=int((~fy & ~fr & ~same).sum()), nonfinite_agreed=int((~fy & ~fr & same).sum()))
+    both = fy & fr
+    with np.errstate(all="ignore"):
+        d, rb = np.abs(yn[both] - rn[both]), rn[both]
+        if not d.size or d.max() == 0:
+            return st
+        tiny, scale = torch.finfo(dtype).tiny, 2.0 ** metrics.precision_bits(dtype)
+        exponent = np.frexp(np.abs(rb))[1]  # |r| = m 2^e, m in [0.5, 1): the spacing unit is 2^(e-1)
+        unit = np.where(rb == 0, tiny, np.maximum(np.ldexp(1.0, exponent - 1), tiny))
+        st.max_abs, st.max_ulp = float(d.max()), float((d / unit).max()) * scale
+        st.norm = math.sqrt(float(np.sum(d * d)))
+        norm_r = math.sqrt(float(np.sum(rb * rb)))
+        st.rel_norm = st.norm / norm_r if norm_r > 0 else math.inf
+        if bn is not None:
+            q = np.abs(d / bn[both])
+            st.budget_used = float(q[~np.isnan(q)].max(initial=0.0))
+        zero = (rb == 0) & (d != 0) & np.isfinite(d)
+        rest = ~zero & np.isfinite(d)
+        if st.max_ulp >= scale and zero.any():  # compare reports zero references when errors reach 1/eps ulp
+            st.zero_reference = int(zero.sum())
+            st.max_ulp_nonzero = float((d[rest] / unit[rest]).max(initial=0.0)) * scale
+    return st
+
+
+def _sample(dtype: torch.dtype, n: int, seed: int, sprinkled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A result a few ulps off its reference, over many binades; sprinkled: zero references with a nonzero
+    device value, subnormal references, and NaN/Inf on either side, alike and not."""
+    g = torch.Generator().manual_seed(seed)
+    fi = torch.finfo(dtype)
+    r = torch.randn(n, dtype=f64, generator=g) * torch.exp2(torch.randint(-12, 12, (n,), generator=g).double())
+    r[::13] = 0.0
+    r[5::31] *= fi.tiny  # references below the dtype's smallest normal: the subnormal spacing
+    y = (r * (1 + 4 * fi.eps * torch.randn(n, dtype=f64, generator=g))).to(dtype)
+    if sprinkled:
+        y[::26] = 4 * fi.tiny  # where r is 0: 4 spacings / 2^-p (the zero-reference report)
+        y[3::97] = math.nan
+        r[7::89] = math.inf
+        y[7::178] = math.inf  # agreed
+        y[96::178] = -math.inf  # mismatch
+        r[11::211] = math.nan
+        y[11::422] = math.nan  # agreed
+    return y, r
+
+
+def _bound(kind: str, r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    eps = torch.finfo(dtype).eps
+    if kind == "none":
+        return None
+    if kind == "scalar":
+        return torch.tensor(eps, dtype=f64)
+    if kind == "row":  # one bound per column, broadcast over the rows
+        return (r.nan_to_num(0.0, 0.0, 0.0).abs().amax(0, keepdim=True) * eps).clamp_min(eps * 2.0**-20)
+    b = r.nan_to_num(0.0, 0.0, 0.0).abs() * eps + torch.finfo(dtype).tiny * eps
+    if kind == "zeros":  # 0/0 reads 0, x/0 inf
+        b[::50] = 0.0
+    return b
+
+
+def _assert_same(got: ErrorStats, want: ErrorStats) -> None:
+    for name in EXACT:
+        assert getattr(got, name) == getattr(want, name), (name, getattr(got, name), getattr(want, name))
+    for name in ("norm", "rel_norm"):
+        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-12, abs=0), name
+
+
+@fused
+@pytest.mark.parametrize("bound_kind", ["none", "tensor", "zeros", "scalar", "row"])
+@pytest.mark.parametrize("layout", ["flat", "strided"])
+@pytest.mark.parametrize("n", [1000, 2 * 2**15 + 777])  # one chunk on the calling thread; three in parallel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_fused_pass_equals_the_definitions(dtype, n, layout, bound_kind):
+    for sprinkled in (False, True):
+        y, r = _sample(dtype, n, seed=n + 7 * sprinkled, sprinkled=sprinkled)
+        if layout == "strided":  # a transposed reference, a result every other element of a wider one
+            cols = 25
+            rows = n // cols
+            r = r[: rows * cols].reshape(cols, rows).t()
+            wide = torch.zeros(rows, 2 * cols, dtype=dtype)
+            wide[:, ::2] = y[: rows * cols].reshape(cols, rows).t()
+            y = wide[:, ::2]
+            assert not (y.is_contiguous() or r.is_contiguous())
+        elif bound_kind == "row":
+            continue  # a row bound needs two dimensions
+        bound = _bound(bound_kind, r, dtype)
+        got = compare(y, r, dtype, bound)
+        _assert_same(got, _by_definition(y, r, dtype, bound))
+        assert (got.zero_reference > 0) == sprinkled
+        kinds = (got.nonfinite_device, got.nonfinite_reference, got.nonfinite_mismatch, got.nonfinite_agreed)
+        assert min(kinds) > 0 if sprinkled else max(kinds) == 0  # the sample meets every kind
+
+
+@fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_fused_pass_equals_the_torch_passes_it_replaced(dtype, monkeypatch):
+    n = metrics._SMALL + 1000
+    y, r = _sample(dtype, n, seed=3, sprinkled=True)
+    for kind in ("none", "tensor", "zeros", "scalar"):
+        bound = _bound(kind, r, dtype)
+        got = compare(y, r, dtype, bound)
+        with monkeypatch.context() as m:
+            m.setattr(metrics, "_fused", None)  # as without numba
+            _assert_same(got, compare(y, r, dtype, bound))
+
+
+@fused
+def test_fused_figures_do_not_depend_on_the_thread_count():
+    from shadow import _fused
+
+    y, r = _sample(torch.float32, 5 * _fused.CHUNK + 3, seed=1, sprinkled=True)
+    bound = _bound("tensor", r, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)  # the parallel pass follows torch's thread count
+            runs.append(_fused.figures(y, r, bound, torch.finfo(torch.float32).tiny))
+    finally:
+        torch.set_num_threads(threads)
+    serial, parallel = _fused._passes
+    args = (y.data_ptr(), *_fused._READ[torch.float32], r.data_ptr(), bound.data_ptr(), r.numel(), bound.numel(),
+            _fused._inverse_units(torch.finfo(torch.float32).tiny))
+    assert runs[0].tolist() == runs[1].tolist() == serial(*args).tolist() == parallel(*args).tolist()
+
+
+@fused
+def test_fused_pass_without_a_writable_cache(monkeypatch, tmp_path):
+    """No cache directory numba can write (a read-only install and home): compiled each process, no error.
+    A cache that cannot be saved at the first call (disk full): compiled again without it, no error."""
+    import numba.core.caching
+    from shadow import _fused
+
+    def unwritable(self):
+        raise PermissionError(13, "read-only", self.get_cache_path())
+
+    y = torch.randn(300)
+    r = y.double() + 2.0**-30
+    want = compare(y, r, torch.float32)
+    with monkeypatch.context() as m:
+        m.setattr(numba.core.caching._CacheLocator, "ensure_cache_path", unwritable)
+        m.setattr(_fused, "_passes", _fused._compile(True))  # numba: "no locator available" -> no cache
+        _assert_same(compare(y, r, torch.float32), want)
+    with monkeypatch.context() as m:
+        m.setattr(numba.config, "CACHE_DIR", str(tmp_path))  # an empty cache: the first call compiles and saves
+        m.setattr(_fused, "_passes", _fused._compile(True))
+        m.setattr(numba.core.caching._CacheLocator, "ensure_cache_path", unwritable)  # fails at the save
+        _assert_same(compare(y, r, torch.float32), want)
+
+
+def test_without_numba_compare_takes_the_torch_passes_and_says_why():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['numba'] = None; import torch; from shadow import metrics; "
+            "y = torch.randn(100_000); s = metrics.compare(y, y.double() + 2.0**-30, torch.float32); "
+            "print(metrics._fused is None, metrics.FUSED_UNAVAILABLE, s.max_abs == 2.0**-30)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("True ModuleNotFoundError: import of numba") and out.strip().endswith("True")

@@ -1,0 +1,206 @@
+"""One fused pass over a device result and its float64 reference: every figure ``shadow.metrics.compare``
+needs, from a single read of both, where the torch passes it replaces read each output nine times (issue 11).
+
+The figures follow ``shadow.metrics``'s definitions (README: Error units) operation for operation, so that
+maxima and counts equal the other paths' to the last bit: |y - r| is one rounding in either, and the ulp is
+|y - r| times the inverse of the spacing unit, a power of two, which rounds exactly as the division by the
+unit does. Sums are float64 in index order within fixed-size chunks, the chunks' partials added in chunk
+order: the figures do not depend on the thread count. Complex results stay on ``compare``'s numpy path.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+CHUNK = 1 << 15  # elements per partial; fixed, so that the sums' order never depends on the thread count
+PARALLEL = 2 * CHUNK  # elements: one chunk runs on the calling thread (waking the others costs about a chunk)
+
+# the figures, in their order in the array ``figures`` returns
+(MAX_ABS, SUM_D2, SUM_R2, MAX_ULP, MAX_ULP_NONZERO, BUDGET,
+ DEVICE, REFERENCE, MISMATCH, AGREED, ZERO) = range(11)
+FIGURES = 11
+_SUMS = (SUM_D2, SUM_R2, DEVICE, REFERENCE, MISMATCH, AGREED, ZERO)
+_MAXES = (MAX_ABS, MAX_ULP, MAX_ULP_NONZERO, BUDGET)
+
+_INF = np.inf
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An address as a pointer, for numba.carray: tensors reach the kernel as data_ptr() (about 0.1 us)
+    rather than as numpy arrays (np.from_dlpack: about 3 us each, more than a 1k-element pass)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+# error_model="numpy": x/0 is inf and 0/0 NaN, as in torch (numba's default raises ZeroDivisionError)
+@njit(error_model="numpy")
+def _chunk(y, table, r, bits, bound, step, inverse_unit, start, stop, out):
+    """The figures of elements [start, stop) into ``out``. ``table`` decodes 16-bit formats read as their
+    bits (None: y is float32/float64); ``bits`` is r read as int64; ``bound[i * step]`` is element i's bound
+    (step 0: one bound for all); ``inverse_unit[E]``: 1 / the spacing unit of a float64 of exponent field E."""
+    max_abs = sum_d2 = sum_r2 = max_ulp = max_ulp_nonzero = used = 0.0
+    device = reference = mismatch = agreed = zero = 0
+    for i in range(start, stop):
+        a = np.float64(y[i]) if table is None else table[y[i]]
+        b = r[i]
+        d = abs(a - b)
+        if not d < _INF:  # NaN or Inf in either (counted apart), or a finite difference that overflows (an error)
+            fa, fb = abs(a) < _INF, abs(b) < _INF
+            if not (fa and fb):
+                if fb:
+                    device += 1
+                elif fa:
+                    reference += 1
+                elif a == b or (a != a and b != b):
+                    agreed += 1
+                else:
+                    mismatch += 1
+                continue
+        max_abs = max(max_abs, d)
+        sum_d2 += d * d
+        sum_r2 += b * b
+        ulp = d * inverse_unit[(bits[i] >> 52) & 0x7FF]
+        max_ulp = max(max_ulp, ulp)
+        if b == 0.0 and d != 0.0 and d < _INF:
+            zero += 1
+        elif d < _INF:
+            max_ulp_nonzero = max(max_ulp_nonzero, ulp)
+        if bound is not None:
+            q = abs(d / bound[i * step])  # 0/0 (exact where the bound is 0) is NaN: never the max
+            if q > used:
+                used = q
+    out[MAX_ABS], out[SUM_D2], out[SUM_R2], out[MAX_ULP], out[MAX_ULP_NONZERO], out[BUDGET] = \
+        max_abs, sum_d2, sum_r2, max_ulp, max_ulp_nonzero, used
+    out[DEVICE], out[REFERENCE], out[MISMATCH], out[AGREED], out[ZERO] = device, reference, mismatch, agreed, zero
+
+
+@njit
+def _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound):
+    """The kernel's views of the tensors' memory (which the caller keeps alive)."""
+    y = numba.carray(_pointer(y_address), n, y_like.dtype)
+    r = numba.carray(_pointer(r_address), n, np.float64)
+    bits = numba.carray(_pointer(r_address), n, np.int64)
+    bound = None if bound_address is None else numba.carray(_pointer(bound_address), n_bound, np.float64)
+    return y, r, bits, bound
+
+
+@njit
+def _combine(parts):
+    """The chunks' partials in chunk order: the same sums whichever thread computed which chunk."""
+    total = parts[0].copy()
+    for c in range(1, parts.shape[0]):
+        for k in _SUMS:
+            total[k] += parts[c, k]
+        for k in _MAXES:
+            total[k] = max(total[k], parts[c, k])
+    return total
+
+
+def _serial_pass(y_address, y_like, table, r_address, bound_address, n, n_bound, inverse_unit):
+    y, r, bits, bound = _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound)
+    step = 0 if n_bound == 1 else 1
+    parts = np.empty(((n + CHUNK - 1) // CHUNK, FIGURES))
+    for c in range(parts.shape[0]):
+        _chunk(y, table, r, bits, bound, step, inverse_unit, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
+    return _combine(parts)
+
+
+def _parallel_pass(y_address, y_like, table, r_address, bound_address, n, n_bound, inverse_unit):
+    y, r, bits, bound = _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound)
+    step = 0 if n_bound == 1 else 1
+    parts = np.empty(((n + CHUNK - 1) // CHUNK, FIGURES))
+    for c in prange(parts.shape[0]):
+        _chunk(y, table, r, bits, bound, step, inverse_unit, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
+    return _combine(parts)
+
+
+def _compile(cache: bool) -> tuple:
+    """The serial and parallel passes, compiled at their first call for each input type. Two functions, not
+    one jitted twice: numba's cache tells entries apart by function, not by the parallel flag."""
+    try:
+        return njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass)
+    except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
+        return _compile(False)
+
+
+_passes = _compile(True)
+_parallel_lock = threading.Lock()  # one parallel pass at a time (numba's workqueue layer is not thread-safe)
+
+
+def _decode_table(dtype: torch.dtype) -> np.ndarray:
+    """float64 value of each 16-bit pattern of ``dtype``, by torch's own (exact) conversion."""
+    bits = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16))
+    return bits.view(dtype).to(torch.float64).numpy()
+
+
+# how the kernel reads each device dtype: (an empty array of the dtype it reads, the table decoding it)
+_READ = {torch.float32: (np.empty(0, np.float32), None), torch.float64: (np.empty(0, np.float64), None),
+         torch.bfloat16: (np.empty(0, np.uint16), _decode_table(torch.bfloat16)),
+         torch.float16: (np.empty(0, np.uint16), _decode_table(torch.float16))}
+_INVERSE_UNITS: dict[float, np.ndarray] = {}
+
+
+def _inverse_units(tiny: float) -> np.ndarray:
+    """1 / max(2**(E - 1023), tiny) for each float64 exponent field E: compare's spacing unit at |r| (the
+    exponent bits of r kept, clamped at the dtype's smallest normal), inverted. Powers of two, so d times
+    it equals d / unit to the last bit, and the pass needs no division for it."""
+    table = _INVERSE_UNITS.get(tiny)
+    if table is None:
+        table = _INVERSE_UNITS[tiny] = np.ldexp(1.0, -np.maximum(np.arange(2048) - 1023, math.frexp(tiny)[1] - 1))
+    return table
+
+
+def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t itself where it is a contiguous CPU tensor of ``dtype``; else a copy that is."""
+    if t.device.type != "cpu" or t.dtype != dtype:
+        t = t.detach().to(device="cpu", dtype=dtype)
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: float) -> np.ndarray:
+    """The FIGURES of device result ``y`` against reference ``r`` (same shape, real), in units whose spacing
+    floor is ``tiny`` (the dtype's smallest normal); ``bound`` broadcastable to r, or None."""
+    read = _READ.get(y.dtype)
+    if read is None:  # another floating dtype (float8): read as float64
+        y, read = y.to(torch.float64), _READ[torch.float64]
+    y = _on_cpu(y, y.dtype)
+    r = _on_cpu(r, torch.float64)
+    if bound is not None:
+        if bound.numel() != 1:  # a bound broadcast along some dimensions is made whole (rare)
+            bound = torch.broadcast_to(bound, r.shape)
+        bound = _on_cpu(bound, torch.float64)
+    args = (y.data_ptr(), read[0], read[1], r.data_ptr(), None if bound is None else bound.data_ptr(),
+            r.numel(), 0 if bound is None else bound.numel(), _inverse_units(tiny))
+    try:
+        return _run(args)
+    except OSError:  # numba could not write its cache (disk full, directory gone since import): compile without
+        global _passes
+        _passes = _compile(False)
+        return _run(args)
+
+
+def _run(args: tuple) -> np.ndarray:
+    serial, parallel = _passes
+    if args[5] >= PARALLEL and _parallel_lock.acquire(blocking=False):
+        try:
+            numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+            return parallel(*args)
+        finally:
+            _parallel_lock.release()
+    return serial(*args)
