@@ -14,6 +14,8 @@ from .modes import ShadowMode
 from .records import BudgetInfo, Kind, Phase, Record
 from .report import Aggregate, Coverage, Report, load_report
 from .spot import SpotStats
+from .attribution.share import AttributionResult, Share, attribute
 
 __all__ = ["ShadowMode", "Report", "Record", "Aggregate", "Coverage", "BudgetInfo", "ErrorStats", "SpotStats", "Kind",
-           "Phase", "load_report", "ShadowOptionError", "ReportFormatError", "ShadowWarning"]
+           "Phase", "load_report", "ShadowOptionError", "ReportFormatError", "ShadowWarning", "attribute",
+           "AttributionResult", "Share"]

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from .attribution import Attribution
+from .attribution.adjoint import correctly_rounded
+from .attribution.tracking import Attribution
 from .budgets import Budget, budget_for, reads_overwritten
 from .devices import cpu_fallback
 from .errors import Unsupported
@@ -143,9 +144,9 @@ class Engine:
         self.spot = SpotPolicy(options.spot_checks)
         self._plans: dict[Any, tuple[OpPlan, tuple] | None] = {}
         self._index = 0
-        # shadow.attribute's hooks (None in a plain ShadowMode): which calls to make exact on the device, given
-        # (op, module, phase, call site); and a look at each judged call's record and outputs
-        self.exact_when: Callable[[str, str, Any, str], bool] | None = None
+        # shadow.attribute's hooks (None in a plain ShadowMode): how an ablation world rewrites a call's shadows,
+        # given (op, module, phase, call site) (_rewrite_shadow); and a look at each judged call's record and outputs
+        self.world: Callable[[str, str, Any, str], str | None] | None = None
         self.observe: Callable[[Record, list[Output]], None] | None = None
 
     # --- entry point, called by the dispatch mode ---
@@ -324,8 +325,10 @@ class Engine:
         regions = defined_regions(plan, args, kwargs, out)
         verdict = self._judge(p, outputs, out, louts if p.local is not None else souts, regions)
         at = self.attr.where(plan.func, args, kwargs, out, self._index)
-        if self.exact_when is not None and kind is not Kind.RANDOM and self.exact_when(plan.name, *at):
-            self._make_exact(outputs, verdict.compared)
+        if self.world is not None and kind is not Kind.RANDOM:
+            how = self.world(plan.name, *at)
+            if how is not None:
+                self._rewrite_shadow(how, outputs, verdict.compared)
         for o, c in zip(outputs.items, verdict.compared):
             self._commit(p, o, c)
         cpu = self._cpu_error(p, outputs) if p.cpu is not None and kind is not Kind.RANDOM else None
@@ -335,19 +338,24 @@ class Engine:
         if self.observe is not None:
             self.observe(rec, outputs.items)
 
-    def _make_exact(self, outputs: Outputs, compared: list[Compared]) -> None:
-        """``shadow.attribute``'s ablation: the device's floating results replaced by their float64 references
-        rounded to the device dtype, before the mirror keeps their shadows (which are not the device's now). The
-        only place shadow writes to the device, and only when ``exact_when`` asks (never in ShadowMode)."""
+    def _rewrite_shadow(self, how: str, outputs: Outputs, compared: list[Compared]) -> None:
+        """``shadow.attribute``'s ablation worlds, before the mirror keeps a call's shadows: "device" gives each
+        shadow the error the device made on this call (shadow + device - reference: the device's own trajectory
+        when the inputs agree), "exact" only the error of rounding the reference to the device dtype (shadow +
+        round(reference) - reference: the call made exact, its correctly rounded result where the inputs agree).
+        Both errors are the ones measured on the device's inputs, held fixed in the world: a rounding drawn again
+        at the world's slightly different values would be noise as large as what is measured. The device's
+        tensors are never touched."""
         for o, c in zip(outputs.items, compared):
-            d, ref = o.device, o.reference
-            if not isinstance(d, torch.Tensor) or not isinstance(ref, torch.Tensor) or c.keep is None or c.mismatch \
-                    or not (d.is_floating_point() or d.is_complex()) or ref.shape != d.shape or not d.numel():
+            d, ref, keep = o.device, o.reference, c.keep
+            if not isinstance(d, torch.Tensor) or not isinstance(ref, torch.Tensor) or keep is None or c.mismatch \
+                    or not d.is_floating_point() or ref.shape != d.shape or keep.shape != d.shape:
                 continue
-            d.copy_(ref)
+            # the error first: ref may be keep itself
+            y = self.mirror.upcast(d)
+            error = y if how == "device" else correctly_rounded(y, ref, d.dtype)
+            keep.add_(error.sub_(ref))
             c.exact = False
-            if o.written:  # the op's own write was counted; this copy bumps the version counter once more
-                self.mirror.note_write(self.mirror.entry(d))
 
     def _outputs(self, p: Prepared, args, kwargs, out, souts, louts) -> Outputs:
         """Written arguments (in-place, out=), then fresh returns, then an .item()-like number. Slots follow

@@ -1,0 +1,327 @@
+"""``shadow.attribute``: the share of a target's drift each op class, module or call site causes.
+
+The target's drift is D = T_device - T_float64 (the shadow of T). A key's share is the part of D it causes,
+projected on D: share = <D_k, D> / <D, D>, so shares of a scalar target are signed fractions that add up, with
+``rounding`` and ``residual``, to 1:
+
+- ``linear`` (one run): D_k = sum over the key's forward calls of <adjoint, removable error>, the adjoint being the
+  float64 derivative of the target with respect to the call's output (``shadow.attribution.adjoint``);
+  ``rounding`` is the same sum over every call's rounding error. Covers the forward pass (a loss does not depend
+  on the backward and optimizer ops that follow it).
+- ``ablation`` (one run per key with any error beyond rounding, plus one with every call exact): D_k = D - D
+  with the key's calls made exact (each device result replaced by its float64 reference rounded to the device
+  dtype); ``rounding`` is the share left when every call is exact. Covers every phase: the only method for
+  targets an optimizer step computes (parameters after it). State is restored between runs
+  (``shadow.attribution.state``) and the user's objects are left as after one ordinary step.
+
+  The replacement happens in the shadow, never on the device: each run is a float64 world in which every other
+  call makes exactly the error the device made in it (its shadow plus the device's error on its own inputs, so
+  that with no call exact the world is the device's trajectory), and the key's calls make only the error of
+  rounding their float64 result to the device dtype (on the device's inputs: their correctly rounded results).
+  Errors are held fixed: rewriting the device's results instead would change the inputs of every later call,
+  whose roundings would be drawn again, and at the rounding level (a correct fp32 or bf16 step) that noise is
+  as large as the drift itself (measured: shares of +-200 % for ops with 1 % of it). Held fixed, the worlds
+  agree with the linear method to first order and add what it leaves out: the nonlinear propagation, and the
+  backward and optimizer calls.
+
+``residual`` = 1 - shares - rounding: what neither explains (second-order effects; ops outside the coverage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..errors import ShadowOptionError
+from ..modes.shadow import ShadowMode
+from ..records import Phase, Record
+from ..report import Report
+from .adjoint import Adjoints, leaves
+from .state import StepState
+
+# attribute's own arithmetic reaches no mode: not its ShadowMode's, nor an emulated device's or a fault's around it
+_own = torch._C._DisableTorchDispatch
+BY = ("op", "module", "callsite")
+METHODS = ("linear", "ablation")
+# an error beyond rounding: more than half an ulp (with room for the reference's own last bit)
+_ROUNDED_ULP = 0.5 + 1e-6
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Share:
+    """One key's part of the target's drift."""
+
+    key: str  # an op overload ("aten.gelu.default"), a module path ("Net.fc1") or a call site ("model.py:42")
+    share: float  # the fraction of the target's drift it causes (negative: it cancels some)
+    introduced: float | None  # the largest local error (rel_norm) of its calls: what it adds itself
+    amplification: float | None  # the largest factor by which its calls magnify the drift they receive
+    calls: int
+
+
+@dataclasses.dataclass
+class AttributionResult:
+    """What ``attribute`` found. ``rows``: worst first (by |share|); ``report``: the first run's Report."""
+
+    method: str
+    by: str
+    drift: float  # the target's drift, ||D|| / ||T_float64|| (inf: a float64 target of exactly 0)
+    rows: list[Share]
+    rounding: float  # the share of rounding every result to its dtype, which no kernel can avoid
+    residual: float  # 1 - shares - rounding
+    phases: tuple[str, ...]  # the phases whose calls the method covers
+    runs: int  # how many times the step ran
+    report: Report
+
+    def table(self, top: int | None = None) -> str:
+        """The rows as text, with the drift, the rounding share and the residual below them.
+
+        columns: the share of the target's drift (signed), the largest local error rel_norm of its calls, the
+        largest amplification of the drift its calls receive (``-``: none received any), calls."""
+        rows = self.rows if top is None else self.rows[:top]
+        name_w = max([len(self.by)] + [len(r.key or "(none)") for r in rows])
+        head = f"{self.by:<{name_w}}  {'share':>8}  {'introduced':>10}  {'amplif.':>8}  {'calls':>6}"
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            lines.append(f"{r.key or '(none)':<{name_w}}  {_pct(r.share):>8}  {_num(r.introduced):>10}  "
+                         f"{_num(r.amplification):>8}  {r.calls:>6}")
+        lines.append("-" * len(head))
+        lines.append(f"target drift (rel_norm) {_num(self.drift)}; rounding results to their dtype "
+                     f"{_pct(self.rounding)}; residual {_pct(self.residual)}")
+        lines.append(f"method {self.method} ({self.runs} run{'s' if self.runs != 1 else ''}), covering "
+                     f"{', '.join(self.phases)} calls")
+        return "\n".join(lines)
+
+
+def attribute(step: Callable[[], Any], *, by: str = "op", method: str = "linear", target: Any = None,
+              **shadow_options: Any) -> AttributionResult:
+    """The share of the drift of ``step``'s target that each op class (``by="op"``), module or call site causes.
+
+    ``step``: a zero-argument callable running the computation (a training step) and returning the target: the
+    loss, a tensor or tensors. ``target``: what to measure instead, read after the step: a tensor, tensors, an
+    ``nn.Module`` (its parameters) or a zero-argument callable returning them (parameters after an optimizer
+    step: use ``method="ablation"``, since only it covers backward and optimizer calls). ``shadow_options``: for
+    the ShadowMode of the first run (``result.report``).
+
+    >>> res = shadow.attribute(lambda: train_step(model, batch), by="module", method="ablation")  # doctest: +SKIP
+    >>> print(res.table(top=5))                                                                  # doctest: +SKIP
+    """
+    if by not in BY:
+        raise ShadowOptionError(f"attribute(by={by!r}): expected one of {', '.join(map(repr, BY))}")
+    if method not in METHODS:
+        raise ShadowOptionError(f"attribute(method={method!r}): expected one of {', '.join(map(repr, METHODS))}")
+    if not callable(step):
+        raise ShadowOptionError(f"attribute(step={step!r}): expected a zero-argument callable that runs the "
+                                "computation and returns the target (the loss)")
+    if shadow_options.get("callsites") is False:
+        raise ShadowOptionError("attribute(callsites=False): attribution follows outputs through their autograd "
+                                "nodes, which the call-site tracking provides: leave callsites on")
+    if shadow_options.get("local") is False:
+        raise ShadowOptionError("attribute(local=False): shares are built from each call's own (local) error: "
+                                "leave local on")
+    return (_linear if method == "linear" else _ablation)(step, by, target, shadow_options)
+
+
+# --- linear ---
+def _linear(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
+    sm = ShadowMode(**options)
+    adjoints = Adjoints(sm.shadow_of)
+    sm._engine.observe = adjoints.observe
+    sm._attr.callsites.on_bind = adjoints.bind
+    try:
+        with sm:
+            out = step()
+            sm._attr.callsites.bind()  # the step's last op: its outputs have their autograd nodes now
+            values = _targets(out, target)
+            t_dev, t_64 = _read(values, sm)
+            with _own():
+                d = t_dev - t_64
+            weights = _linear_weights(values, d, adjoints, sm)
+    finally:
+        adjoints.close()
+    rep = sm.report
+    dd = _dot(d, d)
+    per_key: dict[str, float] = {}
+    rounding = 0.0
+    for rec in rep.records:
+        c = adjoints.contributions.get(rec.index)
+        if c is None:
+            continue
+        key = _key(rec, by)
+        per_key[key] = per_key.get(key, 0.0) + c.removable * weights
+        rounding += c.rounding * weights
+    return _result("linear", by, rep, t_64, d, dd, per_key, rounding if dd else 0.0, ("forward", "other"), 1)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    with _own():
+        return float(torch.dot(a, b))
+
+
+def _linear_weights(values: list[torch.Tensor], d: torch.Tensor, adjoints: Adjoints, sm: ShadowMode) -> float:
+    """The factor that turns sum(adjoint * error) into a share of <D, D>.
+
+    The step's own backward (``loss.backward()``) left adjoints of the loss times its seed (a GradScaler's scale):
+    for a one-element target, divide by that seed and multiply by D / <D, D>. Without a backward through the
+    target, one is run here on the projection <w, T> with w = D / <D, D> (``torch.autograd.grad``, into no
+    ``.grad``), so the sums are shares directly."""
+    dd = _dot(d, d)
+    if dd == 0.0:
+        return 0.0
+    single = len(values) == 1 and values[0].numel() == 1
+    index = adjoints.index_of(values[0]) if single else None
+    if index is not None and index in adjoints.seeds:  # the step's backward went through the target
+        seed = adjoints.seeds[index]
+        if seed == 0.0:
+            raise ShadowOptionError("attribute(method='linear'): the step's backward reached the target with a "
+                                    "zero gradient: call backward on the target itself (loss.backward())")
+        with _own():
+            return float(d[0]) / (seed * dd)
+    if adjoints.contributions:
+        raise ShadowOptionError(
+            "attribute(method='linear'): the step ran a backward that did not start from the target (or the target "
+            f"has {sum(v.numel() for v in values)} elements): the adjoints it left are of another function. Return "
+            "the loss the step calls backward on, or use method='ablation' for other targets")
+    if any(v.grad_fn is None for v in values):
+        raise ShadowOptionError(
+            "attribute(method='linear'): the target is not computed by autograd (a parameter after an optimizer "
+            "step, or a tensor computed without gradients): the linear method weights forward errors by the "
+            "target's derivatives; use method='ablation', which covers backward and optimizer calls")
+    inputs = [leaf for v in values for leaf in leaves(v)]
+    if not inputs:
+        return 0.0
+    seeds, applied, offset = [], 0.0, 0
+    with _own():
+        for v in values:
+            part = d[offset:offset + v.numel()]
+            seed = (part / dd).reshape(v.shape).to(v.dtype)
+            # the seeds are rounded to the target's dtype: the sums are shares of <seeds, D>, scaled back to 1
+            applied += float(torch.dot(seed.to(torch.float64).reshape(-1), part))
+            seeds.append(seed.to(v.device))
+            offset += v.numel()
+    sm._engine.adopt(seeds)  # made where no mode sees them: their shadows are their own (exact) values
+    torch.autograd.grad(values, inputs, grad_outputs=seeds, allow_unused=True)  # under ShadowMode: shadowed
+    return 1.0 / applied if applied else 0.0
+
+
+# --- ablation ---
+def _ablation(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
+    state = StepState()
+    sm = ShadowMode(**options)
+    with state.learning(), sm:
+        values = _targets(step(), target)
+        t_dev, t_64 = _read(values, sm)
+    after = state.save()  # as after one ordinary step: where the user's objects are left
+    rep = sm.report
+    with _own():
+        d = t_dev - t_64
+    dd = _dot(d, d)
+    candidates = _with_removable_error(rep, by) if dd else []
+    runs = 1
+    per_key: dict[str, float] = {}
+    try:
+        for key in candidates:
+            world = (lambda op, m, ph, s, key=key: "exact" if _key_of(by, op, m, s) == key else "device")
+            per_key[key] = _share_removed(step, target, state, world, t_64, d, dd)
+            runs += 1
+        rounding = 0.0
+        if dd:
+            rounding = 1.0 - _share_removed(step, target, state, lambda *a: "exact", t_64, d, dd)
+            runs += 1
+    finally:
+        state.restore(after)
+    return _result("ablation", by, rep, t_64, d, dd, per_key, rounding, tuple(p.value for p in Phase), runs)
+
+
+def _share_removed(step: Callable[[], Any], target: Any, state: StepState, world: Callable[..., str],
+                   t_64: torch.Tensor, d: torch.Tensor, dd: float) -> float:
+    """<D - D_world, D> / <D, D>: the share of the drift that disappears in a world where ``world`` says which
+    calls are exact (the rest make the error the device made: ``Engine._rewrite_shadow``). The step runs again
+    from the start; the device computes exactly what it did, and the world is the shadow of the target."""
+    state.restore(state.start)
+    sm = ShadowMode(spot_checks="off", budgets=False, max_records=0)
+    sm._engine.world = world
+    with sm:
+        values = _targets(step(), target)
+        t_world = _read(values, sm)[1]
+    with _own():
+        return float(torch.dot(d - (t_world - t_64), d)) / dd
+
+
+def _with_removable_error(rep: Report, by: str) -> list[str]:
+    """Keys with a call whose device result is not its float64 reference correctly rounded (the others' ablation
+    changes nothing: their share is 0 without a run)."""
+    keys: dict[str, None] = {}
+    for rec in rep.records:
+        if rec.local is not None and rec.local.max_ulp > _ROUNDED_ULP:
+            keys.setdefault(_key(rec, by), None)
+    return list(keys)
+
+
+# --- shared ---
+def _targets(out: Any, target: Any) -> list[torch.Tensor]:
+    """The target tensors, read after the step: ``target`` if given, else the step's return."""
+    what = target if target is not None else out
+    if callable(what) and not isinstance(what, torch.nn.Module):
+        what = what()
+    if isinstance(what, torch.nn.Module):
+        what = list(what.parameters())
+    if isinstance(what, torch.Tensor):
+        what = [what]
+    values = list(what) if isinstance(what, Iterable) else None
+    if not values or not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values):
+        source = "target=" if target is not None else "the step's return"
+        raise ShadowOptionError(f"attribute: {source} gave {type(what).__name__}: expected a floating tensor (the "
+                                "loss), tensors, an nn.Module (its parameters) or a callable returning them")
+    return values
+
+
+def _read(values: list[torch.Tensor], sm: ShadowMode | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's device values and (with ``sm``) its shadow, flattened to one float64 vector each."""
+    with _own():
+        dev = torch.cat([v.detach().to("cpu", torch.float64).reshape(-1) for v in values])
+        shadow = torch.cat([sm.shadow_of(v).reshape(-1) for v in values]) if sm is not None else None
+    return dev, shadow
+
+
+def _key(rec: Record, by: str) -> str:
+    return _key_of(by, rec.op, rec.module, rec.callsite)
+
+
+def _key_of(by: str, op: str, module: str, callsite: str) -> str:
+    return op if by == "op" else module if by == "module" else callsite
+
+
+def _result(method: str, by: str, rep: Report, t_64: torch.Tensor, d: torch.Tensor, dd: float,
+            per_key: dict[str, float], rounding: float, phases: tuple[str, ...], runs: int) -> AttributionResult:
+    """Rows for every key with calls (0 where nothing was found), the rounding and the residual."""
+    introduced: dict[str, float] = {}
+    amplified: dict[str, float] = {}
+    for rec in rep.records:
+        key = _key(rec, by)
+        if rec.introduced is not None:
+            introduced[key] = max(introduced.get(key, 0.0), rec.introduced)
+        if rec.amplification is not None:
+            amplified[key] = max(amplified.get(key, 0.0), rec.amplification)
+    calls = {k: a.calls for k, a in rep.view(by).items()}
+    rows = [Share(k, per_key.get(k, 0.0) if dd else 0.0, introduced.get(k), amplified.get(k), n)
+            for k, n in calls.items() if k in per_key or k in introduced]
+    rows.sort(key=lambda r: (-abs(r.share), r.key))
+    with _own():
+        norm = float(torch.linalg.vector_norm(t_64))
+    drift = math.sqrt(dd) / norm if norm else (math.inf if dd else 0.0)
+    total = sum(r.share for r in rows)
+    return AttributionResult(method, by, drift, rows, rounding, (1.0 - total - rounding) if dd else 0.0, phases,
+                             runs, rep)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else f"{x:.3g}"

@@ -1,0 +1,339 @@
+"""Which module, phase and line of the user's code each op call belongs to.
+
+Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker`` (``_Tracker``: pass-through
+modules and leaf inputs handled); the optimizer phase from the optimizer step hooks, where parameter (and
+gradient, optimizer state) storages are mapped to the parameter's dotted name so optimizer ops are charged to
+it; each op of a step (``where``, from all of its arguments and its outputs) names its fresh outputs too. Call
+sites (``_Callsites``) are the first frame outside torch and shadow; a backward op takes the call site of the
+forward op whose autograd node runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+
+from ..plan import ArgType, flat_returns, plan_of
+from ..records import Phase
+
+# frames in these directories are not the user's: the first frame outside them is an op's call site
+_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+_NODE_KEY = "shadow.callsite"  # the key under which a forward op's call site is kept in its autograd node
+
+
+class _Tracker(ModuleTracker):
+    """ModuleTracker with two changes to its backward hooks.
+
+    A module's backward exit is hooked on its non-leaf inputs only: torch's own hooks leaf inputs too, and
+    ``torch.autograd.grad`` with such a leaf then raises into the user's program ("A leaf node was passed to
+    _will_engine_execute_node", pytorch/pytorch#131753). Cost: a module whose inputs are all leaves stays among
+    ``parents`` until the engine's end-of-backward callback clears them.
+
+    A pass-through (``nn.Identity``, ``nn.Dropout(p=0)``, a residual's skip) returns its input's own autograd
+    edge: torch hooks its backward exit and entry on that one edge, where both fire at once, exit first, so the
+    module was entered and never left, and every backward op upstream was charged to it. Here an output is
+    hooked only where its edge is not an input's, and a module with no such output has no backward at all:
+    its exit hook is removed."""
+
+    on_compiled: Callable[[str, torch.nn.Module], None] | None = None  # a compiled module about to run: its name
+
+    def __init__(self) -> None:
+        super().__init__()
+        # module -> per running call (nested calls stack): its exit hook and its inputs' autograd edges
+        self._calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        name = self._get_mod_name(mod)
+        if self.on_compiled is not None and _compiled(mod):
+            self.on_compiled(name, mod)
+        self._get_append_fn(name, False)()
+        inputs = _needing_grad(input)
+        exit_hook = self._hook([a for a in inputs if a.grad_fn is not None], self._get_pop_fn(name, True))
+        self._calls.setdefault(mod, []).append((exit_hook, {_edge(a) for a in inputs}))
+
+    def _fw_post_hook(self, mod, input, output) -> None:
+        name = self._get_mod_name(mod)
+        self._get_pop_fn(name, False)()
+        calls = self._calls.get(mod)  # none: the tracker was entered during this module's forward
+        exit_hook, inputs = calls.pop() if calls else (None, set())
+        fresh = [a for a in _needing_grad(output) if _edge(a) not in inputs]
+        if not self._hook(fresh, self._get_append_fn(name, True)) and exit_hook is not None:
+            exit_hook.remove()
+            self._forget(exit_hook)
+
+    def _hook(self, tensors: list[torch.Tensor], fn: Callable) -> Any:
+        """``fn`` once the gradients of ``tensors`` are computed (None: no tensors, no hook). torch >= 2.5 keeps
+        every handle to remove the hooks on exit; one that fired is forgotten then, or a long run under one
+        ShadowMode would keep every step's handles (16 a step on a small MLP)."""
+        if not tensors:
+            return None
+        handles: list = []
+
+        def fire(grads: Any) -> None:
+            fn(grads)
+            self._forget(handles[0])
+
+        handles.append(register_multi_grad_hook(tensors, fire))
+        if hasattr(self, "_hooks"):  # torch >= 2.5 removes them on exit; 2.4 keeps none
+            self._hooks.append(handles[0])
+        return handles[0]
+
+    def _forget(self, handle: Any) -> None:
+        hooks = getattr(self, "_hooks", None)
+        if hooks is not None and handle in hooks:
+            hooks.remove(handle)
+
+
+def _needing_grad(value: Any) -> list[torch.Tensor]:
+    return [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def _edge(t: torch.Tensor) -> tuple:
+    """The autograd edge a tensor's gradient flows into: an in-place op gives the same tensor a new one."""
+    return (t.grad_fn, t.output_nr) if t.grad_fn is not None else (None, id(t))
+
+
+def _compiled(mod: torch.nn.Module) -> bool:
+    """``torch.compile(model)`` (an OptimizedModule) or ``model.compile()``: dynamo skips frames while a dispatch
+    mode is active, so under shadow the module runs eagerly."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return (optimized is not None and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None) is not None
+
+
+def _innermost(parents: set[str]) -> str:
+    names = [p for p in parents if p != "Global"]
+    if not names:
+        return ""
+    return max(names, key=lambda s: (s.count("."), s))
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    out = []
+    for level in zip(*parts):
+        if any(p != level[0] for p in level):
+            break
+        out.append(level[0])
+    return ".".join(out)
+
+
+class _StepNames:
+    """Storage -> parameter name while optimizer steps run, so that each op of a step is charged to the parameter
+    it updates. Known at the step's start: each parameter, its gradient and its optimizer state. Learnt during the
+    step: state the step creates (the first step creates it all), and every fresh output, which takes the name
+    of the op that made it, so temporaries (``exp_avg_sq.sqrt()``, then ``.add_(eps)`` on it) and foreach
+    intermediate lists (element by element) keep their parameter's name. An op that touches no named storage
+    (a constant such as a new step counter) is charged to the common prefix of the stepping optimizers'
+    parameters."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        self._tracker = tracker
+        self.reset()
+
+    def reset(self) -> None:
+        self.optimizers: list[torch.optim.Optimizer] = []  # whose step() is running (a step may call another's)
+        self.current = ""  # the name of the op being dispatched
+        self._params: dict[int, str] = {}  # id(parameter) -> its name
+        self._storages: dict[int, str] = {}  # storage -> parameter name
+        self._state_sizes: dict[int, int] = {}  # id(parameter) -> entries of its state when last read
+        self._fallback = ""
+
+    def begin(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.append(opt)
+        known = getattr(self._tracker, "_known_modules", {})  # module -> dotted name, from forward passes
+        by_param: dict[int, str] = {}
+        for mod, fqn in list(known.items()):
+            for pname, p in mod.named_parameters(recurse=False):
+                by_param.setdefault(id(p), f"{fqn}.{pname}")
+        for group in opt.param_groups:
+            for p in group["params"]:
+                name = by_param.get(id(p))
+                if name is not None:
+                    self._params[id(p)] = name
+                    self._name([p, p.grad], name)
+        self._read_state()
+        self._fallback = _common_prefix(sorted(set(self._params.values())))
+
+    def end(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.remove(opt)
+        if not self.optimizers:
+            self.reset()
+
+    def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
+        """Name an op of the step (``current``) by its tensor arguments, and its fresh outputs after it."""
+        self.current = self._fallback  # until named: kept if naming fails
+        plan = plan_of(func)
+        name = self._lookup([t for _, t in plan.tensors(args, kwargs)])
+        self.current = name or self._fallback
+        if not plan.fresh_returns:
+            return
+        lists = [v for spec in plan.tensor_args if spec.type is ArgType.TENSORS and (v := spec.get(args, kwargs))]
+        index: dict[int, int] = {}  # id(return spec) -> position in its list
+        for spec, t in flat_returns(plan, out):
+            if spec.aliases_write or spec.aliases_read or not isinstance(t, torch.Tensor):
+                continue
+            own = name
+            if spec.tensors and lists:  # a foreach op's i-th output: its i-th inputs' parameter
+                i = index[id(spec)] = index.get(id(spec), -1) + 1
+                own = self._lookup([x[i] for x in lists if i < len(x) and isinstance(x[i], torch.Tensor)]) or name
+            key = _storage(t)
+            if key is not None:
+                if own:
+                    self._storages[key] = own
+                else:  # a constant's output, or a storage reused: learnt from the state when first read
+                    self._storages.pop(key, None)
+
+    def _lookup(self, tensors: list[torch.Tensor]) -> str:
+        keys = [k for k in map(_storage, tensors) if k is not None]
+        found = {self._storages[k] for k in keys if k in self._storages}
+        if not found and keys and self._read_state():
+            found = {self._storages[k] for k in keys if k in self._storages}
+        return _common_prefix(sorted(found))
+
+    def _read_state(self) -> bool:
+        """Name the optimizer state added since it was last read; True if any was."""
+        grew = False
+        for opt in self.optimizers:
+            for p, state in opt.state.items():
+                name = self._params.get(id(p))
+                if name is not None and len(state) != self._state_sizes.get(id(p)):
+                    self._state_sizes[id(p)] = len(state)
+                    self._name(list(state.values()), name)
+                    grew = True
+        return grew
+
+    def _name(self, values: list, name: str) -> None:
+        for t in values:
+            key = _storage(t) if isinstance(t, torch.Tensor) else None
+            if key is not None:
+                self._storages[key] = name
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """A tensor's storage (None: meta, sparse or nested tensors, which have none to name)."""
+    if t.device.type == "meta" or t.layout != torch.strided or t.is_nested:
+        return None
+    return t.untyped_storage()._cdata
+
+
+class _Callsites:
+    """The call site of an op: ``file:line`` of the first frame outside torch and shadow (relative to the working
+    directory when under it). Frames are classified once per code object and names formatted once per line, so
+    the per-op cost is a walk over the few torch frames above the user's.
+
+    A backward op runs from the autograd engine, where the user's frame is the ``loss.backward()`` line: it takes
+    the call site of the forward op that built its autograd node instead. A forward op's outputs get their node
+    only after the op returns (autograd wraps the dispatch), so the call site is written into the node's
+    ``metadata`` when the next op is seen (``bind``)."""
+
+    def __init__(self) -> None:
+        self._internal: dict[Any, bool] = {}
+        self._names: dict[tuple[Any, int], str] = {}
+        self._cwd = os.getcwd() + os.sep
+        self._pending: tuple[tuple, str, int] | None = None  # the last forward op's (outputs, call site, index)
+        # (record index, its outputs that have an autograd node now), once per forward op (shadow.attribution.adjoint)
+        self.on_bind: Callable[[int, list[torch.Tensor]], None] | None = None
+
+    def here(self) -> str:
+        f = sys._getframe(2)
+        internal, names = self._internal, self._names
+        while f is not None:
+            code = f.f_code
+            inside = internal.get(code)
+            if inside is None:
+                inside = internal[code] = code.co_filename.startswith(_INTERNAL)
+            if not inside:
+                key = (code, f.f_lineno)
+                name = names.get(key)
+                if name is None:
+                    path = code.co_filename
+                    name = names[key] = f"{path[len(self._cwd):] if path.startswith(self._cwd) else path}:{key[1]}"
+                return name
+            f = f.f_back
+        return ""
+
+    def backward(self) -> str:
+        self.bind()
+        node = torch._C._current_autograd_node()
+        site = node.metadata.get(_NODE_KEY) if node is not None else None
+        return site if site is not None else self.here()
+
+    def forward(self, out: Any, site: str, index: int) -> None:
+        self.bind()
+        # weak references: a strong one makes a factory function (torch.ones) detach its result to return it
+        outs = tuple(weakref.ref(t) for t in (out if isinstance(out, (tuple, list)) else (out,))
+                     if isinstance(t, torch.Tensor))
+        self._pending = (outs, site, index) if outs else None
+
+    def bind(self) -> None:
+        """Write the last forward op's call site into the autograd nodes its outputs now have."""
+        if self._pending is None:
+            return
+        outs, site, index = self._pending
+        self._pending = None
+        bound = []
+        for ref in outs:
+            t = ref()
+            if t is not None and t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault(_NODE_KEY, site)
+                bound.append(t)
+        if self.on_bind is not None:
+            self.on_bind(index, bound)
+
+
+class Attribution:
+    """Tracks the current module, phase and call site while a ShadowMode is active."""
+
+    def __init__(self, on_compiled: Callable[[str, torch.nn.Module], None] | None = None,
+                 callsites: bool = True) -> None:
+        self._tracker = _Tracker()
+        self._tracker.on_compiled = on_compiled
+        self._steps = _StepNames(self._tracker)
+        self._handles: list = []
+        self.callsites = _Callsites() if callsites else None
+
+    def __enter__(self) -> Attribution:
+        self._tracker.__enter__()
+        self._handles = [
+            register_optimizer_step_pre_hook(lambda opt, args, kwargs: self._steps.begin(opt)),
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: self._steps.end(opt)),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.callsites is not None:
+            self.callsites.bind()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._tracker.__exit__(*exc)
+
+    def where(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any,
+              index: int = -1) -> tuple[str, Phase, str]:
+        """(module, phase, call site) of the op call that just ran on the device (``index``: its record's):
+        inside an optimizer step, the module is the parameter its arguments belong to (its fresh outputs then take
+        that name); the call site is "" with ``callsites=False``."""
+        sites = self.callsites
+        if self._steps.optimizers:
+            try:
+                self._steps.call(func, args, kwargs, out)
+            except Exception:  # never raise into the user's program: the call keeps the fallback name
+                pass
+            return self._steps.current, Phase.OPTIMIZER, sites.here() if sites is not None else ""
+        module = _innermost(self._tracker.parents)
+        if torch._C._current_graph_task_id() != -1:
+            return module, Phase.BACKWARD, sites.backward() if sites is not None else ""
+        if sites is None:
+            return module, (Phase.FORWARD if module else Phase.OTHER), ""
+        site = sites.here()
+        sites.forward(out, site, index)
+        return module, (Phase.FORWARD if module else Phase.OTHER), site

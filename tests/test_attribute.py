@@ -1,0 +1,270 @@
+"""shadow.attribute: the share of a target's drift each op class, module or call site causes, by the linear
+(adjoint-weighted) method and by ablation; and the step state it restores between runs."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shadow
+from shadow import ShadowOptionError
+from shadow.modes import FaultMode
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(16, width)
+        self.fc2 = nn.Linear(width, width)
+        self.fc3 = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """A transformer encoder layer (attention, layer norms, feed-forward) and a classifier head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x).mean(1))
+
+
+def _mlp_setup(seed: int = 0, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(seed)
+    net = Net().to(dtype)
+    x, y = torch.randn(128, 16, dtype=dtype), torch.randn(128, 1, dtype=dtype)
+    opt = torch.optim.Adam(net.parameters(), 1e-3)
+
+    def step():
+        opt.zero_grad()
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return net, opt, step
+
+
+def _both(net: nn.Module, opt: torch.optim.Optimizer, step, wrap=None, **kwargs):
+    """Both methods from the same start (the model and optimizer put back in between)."""
+    start = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    out = []
+    for method in ("linear", "ablation"):
+        net.load_state_dict(start[0])
+        opt.load_state_dict(copy.deepcopy(start[1]))
+        if wrap is None:
+            out.append(shadow.attribute(step, method=method, **kwargs))
+        else:
+            with wrap():
+                out.append(shadow.attribute(step, method=method, **kwargs))
+    return out
+
+
+def _share(res, key: str) -> float:
+    return next(r.share for r in res.rows if r.key == key)
+
+
+# --- a known fault is found where it was put ---
+def test_a_fault_in_gelu_is_ranked_first_by_both_methods():
+    net, opt, step = _mlp_setup()
+    linear, ablation = _both(net, opt, step, wrap=lambda: FaultMode(rel=1e-3, op="gelu"))
+    for res in (linear, ablation):
+        assert res.rows[0].key == "aten.gelu.default"
+        assert 0.9 < res.rows[0].share < 1.1  # a 1e-3 error dwarfs float32 rounding: nearly all of the drift
+        assert res.rows[0].introduced == pytest.approx(1e-3, rel=1e-3)
+    assert 0.5 < _share(linear, "aten.gelu.default") / _share(ablation, "aten.gelu.default") < 2.0
+    assert linear.phases == ("forward", "other") and "optimizer" in ablation.phases
+    assert linear.runs == 1 and ablation.runs >= 3  # first run, one per key with an error beyond rounding, all-exact
+
+
+def test_a_fault_in_one_modules_op_is_charged_to_that_module():
+    net, opt, step = _mlp_setup(1)
+    linear, ablation = _both(net, opt, step, wrap=lambda: FaultMode(rel=1e-3, op="addmm", module="Net.fc2"),
+                             by="module")
+    for res in (linear, ablation):
+        assert res.rows[0].key == "Net.fc2" and res.rows[0].share > 0.9
+        assert all(abs(r.share) < 0.05 for r in res.rows[1:])
+
+
+def test_call_sites_name_the_faulty_line():
+    net, opt, step = _mlp_setup(2)
+    with FaultMode(rel=1e-3, op="tanh"):
+        res = shadow.attribute(step, by="callsite")
+    top = res.rows[0]
+    assert top.share > 0.9 and top.key.endswith(f"test_attribute.py:{_line_of('torch.tanh(self.fc2')}")
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line and "_line_of" not in line)
+
+
+# --- unperturbed steps: the two methods agree ---
+@pytest.mark.parametrize("seed", [0, 3])
+def test_unperturbed_fp32_step_both_methods_agree_on_the_top_three(seed):
+    net, opt, step = _mlp_setup(seed)
+    linear, ablation = _both(net, opt, step)
+    top = [{r.key for r in res.rows[:3]} for res in (linear, ablation)]
+    assert top[0] == top[1]
+    for r in linear.rows[:3]:
+        assert _share(ablation, r.key) == pytest.approx(r.share, abs=0.02 + 0.1 * abs(r.share))
+    for res in (linear, ablation):  # every figure reported, and they add up
+        assert math.isfinite(res.residual) and abs(res.residual) < 0.1
+        assert sum(r.share for r in res.rows) + res.rounding + res.residual == pytest.approx(1.0)
+        assert 0 < res.drift < 1e-5
+    assert "residual" in linear.table() and "rounding" in ablation.table()
+
+
+def test_unperturbed_bf16_step_both_methods_agree_on_the_top_three():
+    """bfloat16 throughout: most CPU kernels compute in float32 and round once (no error beyond rounding), the
+    attention kernel does not; rounding is most of the drift."""
+    torch.manual_seed(0)
+    net = Block().to(torch.bfloat16)
+    x, y = torch.randn(8, 12, 32, dtype=torch.bfloat16), torch.randint(0, 5, (8,))
+    opt = torch.optim.AdamW(net.parameters(), 1e-3)
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x).float(), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    linear, ablation = _both(net, opt, step)
+    assert [r.key for r in linear.rows[:3]] == [r.key for r in ablation.rows[:3]]
+    top = linear.rows[0]
+    assert top.key == "aten._scaled_dot_product_flash_attention_for_cpu.default" and abs(top.share) > 0.01
+    assert _share(ablation, top.key) == pytest.approx(top.share, rel=0.2)
+    for res in (linear, ablation):
+        assert res.rounding > 0.5 and abs(res.residual) < 0.05
+
+
+# --- what the methods cover, and the step's state ---
+def test_ablation_leaves_the_users_objects_as_after_one_step_and_the_device_untouched():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 1))
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    opt = torch.optim.AdamW(net.parameters(), 1e-2)
+
+    def step():
+        opt.zero_grad()
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    start = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state()
+    with FaultMode(rel=1e-3, op="gelu"):  # the "device": one ordinary step, without shadow
+        step()
+    expected = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()),
+                [p.grad.clone() for p in net.parameters()], torch.get_rng_state())
+    net.load_state_dict(start[0])
+    opt.load_state_dict(start[1])
+    torch.set_rng_state(start[2])
+    with FaultMode(rel=1e-3, op="gelu"):
+        res = shadow.attribute(step, method="ablation", by="module")
+    assert res.runs >= 3 and res.rows[0].key == "Sequential.3"
+    # bit for bit as after the ordinary step: the device computed as usual in every run, and the state of the
+    # last one was put back to the first's end (parameters, buffers, gradients, optimizer state, generator)
+    for k, v in expected[0].items():  # parameters and buffers (running stats, batches tracked)
+        assert torch.equal(net.state_dict()[k], v), k
+    got = opt.state_dict()
+    assert got["param_groups"] == expected[1]["param_groups"]
+    for i, state in expected[1]["state"].items():
+        for name, v in state.items():
+            assert torch.equal(got["state"][i][name], v), (i, name)
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), expected[2]))
+    assert torch.equal(torch.get_rng_state(), expected[3])
+
+
+def test_parameters_after_the_optimizer_step_need_ablation():
+    """A fault in Adam's update (addcdiv_) moves the parameters, not the loss: ablation, which covers the
+    optimizer, finds it; the linear method says it cannot (the parameters are not computed by autograd)."""
+    net, opt, step = _mlp_setup(4)
+    start = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    with FaultMode(rel=1e-3, op="addcdiv_"):
+        res = shadow.attribute(step, method="ablation", target=net)
+    assert res.rows[0].key.startswith("aten.addcdiv") and res.rows[0].share > 0.9
+    net.load_state_dict(start[0])
+    opt.load_state_dict(start[1])
+    with pytest.raises(ShadowOptionError, match="method='ablation'"):
+        shadow.attribute(step, method="linear", target=lambda: list(net.parameters()))
+
+
+def test_linear_runs_the_backward_itself_and_reads_through_a_loss_scale():
+    """The same forward, three ways: the step calls loss.backward(), the step returns the loss and shadow runs
+    the backward (into no .grad), the step scales the loss before backward (as a GradScaler does)."""
+    torch.manual_seed(5)
+    net, x, y = Net(), torch.randn(64, 16), torch.randn(64, 1)
+
+    def forward():
+        return F.mse_loss(net(x), y)
+
+    def with_backward(scale: float):
+        def step():
+            net.zero_grad()
+            loss = forward()
+            (loss * scale).backward()
+            return loss
+        return step
+
+    with FaultMode(rel=1e-4, op="tanh"):
+        runs = [shadow.attribute(s) for s in (with_backward(1.0), forward, with_backward(1024.0))]
+    shares = [{r.key: r.share for r in res.rows} for res in runs]
+    for key, value in shares[1].items():  # the forward's op classes (the others have no share of the loss)
+        assert shares[0][key] == pytest.approx(value, abs=1e-9) and shares[2][key] == pytest.approx(value, abs=1e-9)
+    assert all(shares[0].get(k, 0.0) == 0.0 for k in set(shares[0]) - set(shares[1]))
+    assert runs[0].rows[0].key == "aten.tanh.default" and net.fc1.weight.grad is not None
+
+
+def test_a_vector_target_is_projected_on_its_drift():
+    torch.manual_seed(6)
+    net, x = Net(), torch.randn(64, 16)
+    with FaultMode(rel=1e-3, op="gelu"):
+        res = shadow.attribute(lambda: net(x))
+    assert res.rows[0].key == "aten.gelu.default" and 0.9 < res.rows[0].share < 1.1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(by="layer"), "by='layer'.*expected one of 'op', 'module', 'callsite'"),
+    (dict(method="exact"), "method='exact'.*expected one of 'linear', 'ablation'"),
+    (dict(callsites=False), "leave callsites on"),
+    (dict(local=False), "leave local on"),
+])
+def test_bad_arguments_say_what_is_expected(kwargs, message):
+    with pytest.raises(ShadowOptionError, match=message):
+        shadow.attribute(lambda: torch.ones(1), **kwargs)
+
+
+def test_bad_steps_say_what_is_expected():
+    with pytest.raises(ShadowOptionError, match="zero-argument callable"):
+        shadow.attribute(torch.ones(1))
+    with pytest.raises(ShadowOptionError, match="the step's return gave int: expected a floating tensor"):
+        shadow.attribute(lambda: 3)
+
+
+def test_the_example_answers_which_op_is_to_blame():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "examples/which_op_drifts.py"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "to blame: aten.gelu" in out and "Block.ff.act" in out
