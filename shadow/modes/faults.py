@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..attribution import _Tracker
+from ..attribution.tracking import _Tracker
 from ..errors import ShadowOptionError
 from ..plan import OpPlan, flat_returns, plan_of
 from .emulate._mode import require_outside_shadow

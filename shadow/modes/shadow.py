@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..attribution import Attribution
+from ..attribution.tracking import Attribution
 from .. import _compat
 from ..engine import Engine
 from ..errors import ShadowWarning
