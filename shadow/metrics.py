@@ -177,15 +177,15 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.T
     n = r.numel()
     if n == 0:
         return ErrorStats() if bound is None else ErrorStats(budget_used=0.0)
-    is_complex = y.is_complex() or r.is_complex()  # complex: numpy (the modulus is a pass of its own; rare)
-    if n > _TINY and not is_complex and _fused is not None:
+    # complex results: numpy (the modulus is a pass of its own; rare)
+    if n > _TINY and _fused is not None and not (y.is_complex() or r.is_complex()):
         return _compare_fused(y, r, dtype, n, bound)
     if bound is not None and bound.shape != r.shape:
         bound = bound.expand(r.shape)
     if n <= _TINY:
         stats = _compare_python(_flat_list(y), _flat_list(r), dtype, n,
                                 None if bound is None else _flat_list(bound))
-    elif is_complex or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
+    elif y.is_complex() or r.is_complex() or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
         stats = _compare_numpy(host(y).reshape(-1), host(r).reshape(-1), dtype, n,
                                None if bound is None else host(bound).reshape(-1))
     else:
