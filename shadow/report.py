@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 from typing import Any, Iterable, Iterator
 
 from .errors import ReportFormatError
@@ -299,15 +300,46 @@ class Report:
         """A text table of the aggregates ``by`` "op", "module", "callsite" or "phase" (``Report.view``), over the
         calls of one ``phase`` (None: all), sorted by the worst budget used, then the worst local ulp, then the
         worst drift. ``tree=True`` (by="module"): every module path with its submodules folded in, in tree order,
-        indented by depth.
+        indented by depth. ``summary`` adds the legend and the verdict.
 
-        columns: calls, the result dtypes (only when the run mixes floating dtypes, as under autocast), max
-        local ulp (over elements whose reference is not 0; ``z``: some reference is exactly 0 where the device
-        is not, whose error is in abs and the budget), max budget used (``!``: some call over budget; ``-``: only
-        default budgets), the fewest effective bits of a call (``-``:
+        columns (``LEGEND`` says the same in a user's words): calls, the result dtypes (only when the run mixes
+        floating dtypes, as under autocast), max local ulp (over elements whose reference is not 0; ``z``: some
+        reference is exactly 0 where the device is not, whose error is in abs and the budget), max budget used
+        (``!``: some call over budget; ``-``: only default budgets), the fewest effective bits of a call (``-``:
         exact or no budget; a long TF32 matmul within its worst-case budget still reads ~10 here), max drift
         rel_norm, flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
         untrustworthy (``!`` marks rows with any)."""
+        return _plain_table(*self._table_cells(by, top, phase, tree)[:2])
+
+    def summary(self, by: str = "op", top: int | None = None, *, phase: str | None = None, tree: bool = False,
+                rich: bool = False, color: bool = False, width: int = 120) -> str:
+        """What ``shadow show`` prints: the table (``table``), how its rows are sorted and what each column means,
+        and the verdict (``shadow.verdict.conclude``: what is over budget, where NaN/Inf is born, what was not
+        checked, or the all-clear). ``rich=True`` draws the table with the ``rich`` package (``pip install rich``),
+        at most ``width`` characters wide, with ANSI colours if ``color`` (for a terminal).
+
+        >>> print(rep.summary(top=10))     # doctest: +SKIP
+        """
+        from .verdict import conclude
+
+        head, rows, total = self._table_cells(by, top, phase, tree)
+        lines = [_rich_table(head, rows, width, color) if rich else _plain_table(head, rows)]
+        if len(rows) < total:
+            lines.append(f"({len(rows)} of {total} rows)")
+        order = "tree order, parents above their submodules" if tree else \
+            "worst budget use first, then worst local ulp, then worst drift"
+        lines += ["", f"rows: {order}; columns:"]
+        name_w = max(len(name) for name in head)
+        keys = {**LEGEND, head[0]: _KEY_LEGEND[by] + (" (with its submodules)" if tree else "")}
+        for name in head:
+            lines += textwrap.wrap(keys[name], width=max(width, 60), initial_indent=f"  {name:<{name_w}}  ",
+                                   subsequent_indent=" " * (name_w + 4), break_on_hyphens=False)
+        lines += ["", conclude(self).text]
+        return "\n".join(lines)
+
+    def _table_cells(self, by: str, top: int | None, phase: str | None,
+                     tree: bool) -> tuple[list[str], list[list[str]], int]:
+        """The table's header, its rows as text cells (the key first), and how many rows there are before ``top``."""
         if tree and by != "module":
             raise ValueError(f"table(by={by!r}, tree=True): a tree is of modules: use by='module'")
         table = self.module_tree(phase) if tree else self.view(by, phase)
@@ -318,28 +350,21 @@ class Report:
             rows = sorted(table.items(),
                           key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero,
                                           -kv[1].max_drift_rel, kv[0]))
+        total = len(rows)
         if top is not None:
             if isinstance(top, bool) or not isinstance(top, int) or top < 0:
                 raise ValueError(f"table(top={top!r}): expected None (every row) or an int >= 0")
             rows = rows[:top]
-        name_w = max([len(by)] + [len(k or "(none)") for k, _ in rows])
         mixed = len({d for a in table.values() for d in a.dtypes if _floating(d)}) > 1
-        dtypes = {key: "/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-" for key, a in rows}
-        dtype_w = max([5] + [len(v) for v in dtypes.values()]) if mixed else 0
-        dtype_col = (lambda text: f"  {text:<{dtype_w}}") if mixed else (lambda text: "")
-        head = (f"{by:<{name_w}}  {'calls':>6}{dtype_col('dtype')}  {'local ulp':>10}  {'budget':>8}  {'bits':>5}"
-                f"  {'drift rel':>10}  {'flips':>6}  {'nonfin':>6}  {'unsup':>5}  {'untrust':>7}")
-        lines = [head, "-" * len(head)]
+        head = [by] + [name for name in _COLUMNS if name != "dtype" or mixed]
+        cells = []
         for key, a in rows:
-            lines.append(
-                f"{key or '(none)':<{name_w}}  {a.calls:>6}{dtype_col(dtypes[key])}  {_ulp_cell(a):>10}"
-                f"  {_budget_cell(a):>8}"
-                f"  {'-' if math.isinf(a.min_effective_bits) else f'{a.min_effective_bits:.1f}':>5}"
-                f"  {_fmt(a.max_drift_rel):>10}"
-                f"  {a.flips:>6}  {a.nonfinite:>6}  {a.kinds.get('unsupported', 0):>5}"
-                f"  {(str(a.spot_untrusted) + ' !') if a.spot_untrusted else '0':>7}"
-            )
-        return "\n".join(lines)
+            dtype = ["/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-"] if mixed else []
+            bits = "-" if math.isinf(a.min_effective_bits) else f"{a.min_effective_bits:.1f}"
+            cells.append([key or "(none)", str(a.calls)] + dtype + [
+                _ulp_cell(a), _budget_cell(a), bits, _fmt(a.max_drift_rel), str(a.flips), str(a.nonfinite),
+                str(a.kinds.get("unsupported", 0)), (str(a.spot_untrusted) + " !") if a.spot_untrusted else "0"])
+        return head, cells, total
 
     # --- persistence ---
     def to_dict(self) -> dict:
@@ -484,6 +509,63 @@ def _budget_cell(a: Aggregate) -> str:
     if not a.budgeted_calls:
         return "-"
     return _fmt(a.max_budget_used) + (" !" if a.over_budget_calls else "")
+
+
+# the table's columns after the key: the narrowest width each takes (it widens to fit its cells), and its alignment
+_COLUMNS = {"calls": (6, ">"), "dtype": (5, "<"), "local ulp": (10, ">"), "budget": (8, ">"), "bits": (5, ">"),
+            "drift rel": (10, ">"), "flips": (6, ">"), "nonfin": (6, ">"), "unsup": (5, ">"), "untrust": (7, ">")}
+LEGEND = {  # what each column of Report.table means, in a user's words (Report.summary prints it)
+    "calls": "op calls in the row (every call: the tables are never capped)",
+    "dtype": "the calls' floating result dtypes (shown when the run mixes them)",
+    "local ulp": "worst local error: the op's own error against float64 on its own inputs, in ulps of the result "
+                 "dtype (z: some exact result is 0, where any error reads 1e30+ ulp: judge it by the budget)",
+    "budget": "worst local error / the error a correct kernel in that dtype may make; above 1 (!) the kernel is "
+              "less accurate than its dtype allows; -: no budget rule for the op",
+    "bits": "the fewest mantissa bits a call's error reads like (~23: correct float32, ~10: TF32 or float16, "
+            "~7: bfloat16; -: exact or no budget)",
+    "drift rel": "worst drift, ||device - shadow|| / ||shadow||: all the error accumulated since shadowing began",
+    "flips": "integer/bool output elements that differ from the shadow's (argmax, masks, comparisons)",
+    "nonfin": "elements where device and shadow disagree on NaN/Inf",
+    "unsup": "calls shadow cannot replay (device result adopted)",
+    "untrust": "calls whose float64 reference mpmath found inaccurate (!: heavy cancellation)",
+}
+_KEY_LEGEND = {"op": "the aten op overload", "module": "the innermost module (optimizer ops: the parameter updated)",
+               "callsite": "file:line in your code (a backward op: its forward op's line)",
+               "phase": "forward, backward, optimizer, or other (outside modules and steps)"}
+
+
+def _plain_table(head: list[str], rows: list[list[str]]) -> str:
+    """The table as aligned text: the key column left, each other column as ``_COLUMNS`` says."""
+    widths = [max([len(head[0])] + [len(r[0]) for r in rows])]
+    widths += [max([_COLUMNS[name][0]] + [len(r[i]) for r in rows]) for i, name in enumerate(head) if i]
+    aligns = ["<"] + [_COLUMNS[name][1] for name in head[1:]]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, aligns, widths)).rstrip()
+
+    return "\n".join([line(head), "-" * len(line(head))] + [line(r) for r in rows])
+
+
+def _rich_table(head: list[str], rows: list[list[str]], width: int, color: bool) -> str:
+    """The table drawn by ``rich``, rows with a call over budget in red (with ``color``)."""
+    import io
+
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError as exc:
+        raise ImportError("Report.summary(rich=True) needs the rich package: pip install rich (or "
+                          "pip install 'shadow[display]'), or pass rich=False for plain text") from exc
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name in head:
+        table.add_column(name, justify="right" if _COLUMNS.get(name, (0, "<"))[1] == ">" else "left",
+                         no_wrap=name != head[0], overflow="fold")  # a long key folds onto more lines, never cut
+    for r in rows:
+        table.add_row(*r, style="red" if r[head.index("budget")].endswith("!") else None)
+    out = io.StringIO()
+    Console(file=out, width=width, force_terminal=color, no_color=not color, highlight=False).print(table)
+    return out.getvalue().rstrip("\n")
 
 
 def _check_phase(where: str, phase: str | None) -> None:

@@ -1,0 +1,183 @@
+"""The verdict (shadow.verdict) and Report.summary: what a report concludes, on runs whose findings are known."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shadow import ShadowMode
+from shadow.modes import TF32Mode
+from shadow.records import BudgetInfo, Kind, Phase, Record
+from shadow.report import LEGEND, Report
+from shadow.verdict import OpClass, conclude, op_class, times
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def step(x):
+    torch.manual_seed(0)
+    net = Net()
+    net(x).square().mean().backward()
+
+
+@pytest.fixture(scope="module")
+def clean():
+    x = torch.randn(16, 32)
+    with ShadowMode() as sm:
+        step(x)
+    return sm.report
+
+
+@pytest.fixture(scope="module")
+def tf32():
+    x = torch.randn(16, 32)
+    with TF32Mode(), ShadowMode() as sm:
+        step(x)
+    return sm.report
+
+
+def test_all_clear(clean):
+    v = conclude(clean)
+    assert not v.suspicious and v.over_budget == () and v.nonfinite is None
+    assert v.lines == [f"verdict: all {clean.coverage.replayed} replayed calls within their float32 budgets: "
+                       "nothing suspicious"]
+
+
+def test_tf32_matmuls_over_budget_read_ten_bits(tf32):
+    v = conclude(tf32)
+    assert v.suspicious and {c.op for c in v.over_budget} == {"aten.mm", "aten.addmm"}
+    assert [c.budget_used for c in v.over_budget] == sorted((c.budget_used for c in v.over_budget), reverse=True)
+    assert v.lines[0] == "verdict: 2 op classes over budget (their own error beyond what a correct float32 kernel " \
+                         "makes):"
+    for c, line in zip(v.over_budget, v.lines[1:]):
+        assert c.budget_used > 1 and c.over_calls and 9 <= c.effective_bits <= 11 and c.reads_like == "TF32-like"
+        assert c.worst is not None and c.worst.budget.used == c.budget_used and c.worst.module in ("Net.fc1", "Net.fc2")
+        assert line == (f"  {c.op} {times(c.budget_used)} budget in {c.over_calls} of {c.budgeted_calls} calls "
+                        f"(reads ~{c.effective_bits:.0f} bits: TF32-like; worst: {c.worst.module}, {c.worst.phase}, "
+                        f"call #{c.worst.index})")
+
+
+def test_reads_like():
+    def cls(op, bits, dtype="torch.float32"):
+        return OpClass(op, 1, 1, 5.0, bits, (dtype,), None)
+
+    assert cls("aten.mm", 10.2).reads_like == "TF32-like"
+    assert cls("aten.sum", 10.2).reads_like == "float16-like"  # the same 10 bits outside a matmul
+    assert cls("aten.sum", 7.3).reads_like == "bfloat16-like"
+    assert cls("aten.sum", 16).reads_like == ""  # no known format
+    assert cls("aten.sum", 22).reads_like == ""  # the dtype's own bits: a correct kernel, only unlucky
+    assert cls("aten.sum", 7.0, "torch.bfloat16").reads_like == ""
+    assert cls("aten.sum", None).reads_like == "" and "reads" not in str(cls("aten.sum", None))
+
+
+def test_helpers():
+    assert op_class("aten.add.Tensor") == "aten.add" and op_class("aten.mm") == "aten.mm"
+    assert [times(x) for x in (0.31, 4.0, 40.2, 2749.2, 12345.0)] == ["0.31x", "4x", "40x", "2749x", "1.2e+04x"]
+
+
+class Bad(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+def test_nan_born_of_the_math():
+    bad = Bad()
+    with ShadowMode() as sm:
+        (bad(torch.tensor([1.0, -1.0])) * 2).sum()
+    v = conclude(sm.report)
+    assert v.suspicious and v.nonfinite is not None and v.nonfinite.cause == "math"
+    assert (v.nonfinite.op, v.nonfinite.module, v.nonfinite.phase) == ("aten.log.default", "Bad", "forward")
+    assert v.lines[0] == (f"verdict: NaN/Inf born in aten.log at Bad (forward, call #{v.nonfinite.index}): a math "
+                          "problem: float64 gives NaN/Inf there too (fix the math: the inputs reach a pole or leave "
+                          "the domain)")
+
+
+def test_inf_born_of_the_precision():
+    with ShadowMode() as sm:
+        torch.tensor([20.0, 1.0], dtype=torch.float16).exp()  # e**20 = 4.9e8: past float16's 65504
+    v = conclude(sm.report)
+    assert v.nonfinite is not None and v.nonfinite.cause == "precision" and v.nonfinite.module == ""
+    assert v.lines[0].startswith("verdict: NaN/Inf born in aten.exp at (no module) (other, call #")
+    assert "a precision problem: float64 is finite there" in v.lines[0]
+
+
+def test_no_budgets(clean):
+    x = torch.randn(4, 32)
+    with ShadowMode(budgets=False) as sm:
+        step(x)
+    assert conclude(sm.report).lines[0].endswith("none held to an error budget (budgets off): their local errors "
+                                                 "are not judged")
+    assert conclude(Report()).lines == ["verdict: no op call was replayed: nothing to judge"]
+
+
+def _record(i, op, kind=Kind.REPLAYED, used=None, reason=""):
+    budget = BudgetInfo("elementwise", used) if used is not None else None
+    return Record(i, op, "Net.fc", Phase.FORWARD, kind, budget=budget, reason=reason, dtype="torch.float32")
+
+
+def test_coverage_notes():
+    """Unsupported ops, capped records and internal errors are said, below the verdict on what was checked."""
+    rep = Report(max_records=2)
+    rep.add(_record(0, "aten.exp.default", used=0.5))
+    for i in range(1, 5):
+        rep.add(_record(i, "aten.weird.default", Kind.UNSUPPORTED, reason="no float64 kernel"))
+    rep.internal_error("aten.other.default", "KeyError: 'x'")
+    v = conclude(rep)
+    assert v.unsupported == (("aten.weird.default", "no float64 kernel"),) and v.unsupported_calls == 4
+    assert v.lines == [
+        "verdict: all 1 replayed calls within their float32 budgets: nothing suspicious",
+        "not checked: 4 calls of 1 ops shadow cannot replay (device results adopted, drift restarts there): "
+        "aten.weird.default (no float64 kernel)",
+        "note: 1 internal errors of shadow (their ops adopted from the device, listed in the coverage): a bug in "
+        "shadow, please report it",
+        "note: per-call records capped at 2: the 3 later calls are in the tables, not in the records",
+    ]
+
+
+def test_summary_is_the_table_the_legend_and_the_verdict(tf32):
+    text = tf32.summary(top=3)
+    table = tf32.table(top=3)
+    assert text.startswith(table + f"\n(3 of {len(tf32.by_op)} rows)\n\nrows: worst budget use first, then worst "
+                           "local ulp, then worst drift; columns:\n  op         the aten op overload\n")
+    for name in table.splitlines()[0].split("  "):
+        if name.strip():
+            assert f"\n  {name.strip():<9}  " in text  # every column of the table explained
+    assert text.endswith(conclude(tf32).text)
+    assert set(LEGEND) == {"calls", "dtype", "local ulp", "budget", "bits", "drift rel", "flips", "nonfin", "unsup",
+                           "untrust"}
+    tree = tf32.summary(by="module", tree=True)
+    assert "rows: tree order, parents above their submodules; columns:" in tree
+    assert "the innermost module (optimizer ops: the parameter updated) (with its submodules)" in tree
+
+
+def test_table_rows_keep_their_format(tf32):
+    """Columns widen to fit a wide cell (an over-budget "2.75e+03 !") instead of pushing the row out of line."""
+    lines = tf32.table().splitlines()
+    head = lines[0]
+    assert head.split() == ["op", "calls", "local", "ulp", "budget", "bits", "drift", "rel", "flips", "nonfin",
+                            "unsup", "untrust"]
+    end = len(head)
+    assert all(len(line) == end for line in lines[2:]) and len(lines[1]) == end
+    row = next(line for line in lines if line.startswith("aten.mm.default"))
+    assert row.split()[4] == "!" and row.index("!") == head.index("budget") + len("budget") - 1
+
+
+def test_summary_drawn_by_rich(tf32):
+    pytest.importorskip("rich")
+    text = tf32.summary(top=4, rich=True, width=200)
+    head = text.splitlines()[0]
+    assert head.split() == ["op", "calls", "local", "ulp", "budget", "bits", "drift", "rel", "flips", "nonfin", "unsup",
+                            "untrust"]
+    assert "─" in text.splitlines()[1] and "\x1b[" not in text  # rich's rule, no colour unless asked
+    assert "aten.mm.default" in text and "aten.addmm.default" in text
+    assert "\x1b[" in tf32.summary(top=4, rich=True, color=True)
+    narrow = tf32.summary(top=4, rich=True, width=60)
+    assert "…" not in narrow  # a long op name folds onto another line, never cut
