@@ -1,22 +1,46 @@
-"""The ``shadow`` command line: ``python -m shadow demo``, ``python -m shadow doctor``.
+"""The ``shadow`` command line (also ``python -m shadow``):
+
+    shadow run [OPTIONS] SCRIPT [ARGS...]   run a script unchanged under ShadowMode, write shadow-report.json
+    shadow show REPORT                      the tables, their legend and the verdict
+    shadow compare A B                      which ops and modules got worse in B than in A
+    shadow demo | doctor                    a small model's step; the device backends
+    shadow --version
+
+Exit status:
+    0    success; ``compare``: nothing got worse in B
+    1    ``run``: the script raised (its traceback shown, the partial report written); ``compare``: B is worse
+    2    a usage error or unusable input, with a one-line message naming the problem and the fix: a bad option, a
+         missing script or report, an unwritable ``-o``, a report that cannot be read, two reports not of the same
+         program, optimizer steps asked for that the script never made
+    N    ``run``: the script's own ``sys.exit(N)``; 130 when interrupted (Ctrl-C), the partial report written
 
 The CLI is the one place that prints; library code returns objects and leaves rendering to its caller.
 Each subcommand is a function registered with ``@command``; ``main`` builds the parser from that table.
 
->>> main(["demo", "--steps", "1"])   # doctest: +SKIP
+>>> main(["run", "examples/train.py", "--steps", "1"])   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import dataclasses
+import os
+import platform
+import runpy
+import shutil
 import sys
-from typing import Callable, Sequence
+import traceback
+from typing import Any, Callable, Sequence
 
 import torch
 
+from . import __version__
 from . import devices as _devices
+from .modes.emulate import EMULATIONS
+from .options import FOLLOW
+from .records import Phase
+from .report import VIEWS, Report
 
 DEVICES = ("auto",) + _devices.BACKENDS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -58,6 +82,50 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
     return n
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
+    return n
+
+
+def _count_or_all(text: str) -> int | None:
+    """A whole number >= 0, or "all" (None: no limit)."""
+    if text == "all":
+        return None
+    try:
+        return _count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 or 'all', got {text!r}") from None
+
+
+def _spot_checks(text: str) -> str | int:
+    if text in ("off", "default", "all"):
+        return text
+    try:
+        return _count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected off, default, all or a number of samples per call, "
+                                         f"got {text!r}") from None
+
+
+def _factor(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not x > 1:
+        raise argparse.ArgumentTypeError(f"expected a number > 1, got {text!r}")
+    return x
+
+
+class _Failure(Exception):
+    """A command cannot go on: its message (one line: the problem and the fix) is printed, the exit status is 2."""
 
 
 # --- demo ---
@@ -115,7 +183,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"shadow demo: MLP 64-256-256-10, Adam, {args.steps} step(s) on {device} {args.dtype} "
           f"(torch {torch.__version__}); errors against a float64 replay on the CPU")
     print()
-    print(rep.table(top=args.top))
+    print(_summary(rep, top=args.top))
     print()
     print("coverage:", rep.coverage)
     for i, loss in enumerate(losses):
@@ -136,6 +204,313 @@ def _demo(args: argparse.Namespace) -> int:
         rep.save(args.save)
         print(f"report saved to {args.save}")
     return 0
+
+
+# --- run ---
+DEFAULT_MAX_RECORDS = 10_000  # per-call records kept by `run` (~1.1 kB each in the file); the tables cover every call
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("script", help="the Python script to run, unchanged (shadow's options come before it)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments: its sys.argv[1:]")
+    p.add_argument("-o", "--output", metavar="PATH", default="shadow-report.json",
+                   help="where to write the report (default: shadow-report.json in the working directory)")
+    p.add_argument("--skip-steps", type=_count, default=0, metavar="N",
+                   help="start shadowing when optimizer step N returns (default 0: from the start); every "
+                        "optimizer.step() call of any optimizer counts")
+    p.add_argument("--steps", type=_positive_int, default=None, metavar="M",
+                   help="stop shadowing when optimizer step N+M returns (default: at the script's end)")
+    p.add_argument("--emulate", choices=sorted(EMULATIONS), default=None,
+                   help="compute on the CPU as an emulated device would (shadow.modes.emulate), e.g. tf32")
+    p.add_argument("--max-records", type=_count_or_all, default=DEFAULT_MAX_RECORDS, metavar="N|all",
+                   help=f"per-call records kept in the report (default {DEFAULT_MAX_RECORDS}: ~11 MB); the tables "
+                        "and the verdict cover every call regardless")
+    p.add_argument("--spot-checks", type=_spot_checks, default="default", metavar="off|default|all|N",
+                   help="mpmath checks of the float64 reference (default: default)")
+    p.add_argument("--follow", choices=FOLLOW, default="device",
+                   help="discrete results downstream (indices, masks): the device's or the shadow's own")
+    p.add_argument("--no-local", dest="local", action="store_false", help="skip each op's own error (faster)")
+    p.add_argument("--no-drift", dest="drift", action="store_false", help="skip the accumulated error")
+    p.add_argument("--no-budgets", dest="budgets", action="store_false", help="skip the error budgets")
+    p.add_argument("--no-callsites", dest="callsites", action="store_false",
+                   help="skip recording each call's line in the script (faster)")
+    p.add_argument("--compare-cpu", action="store_true",
+                   help="also run each op on the CPU in the device's dtype: device error / CPU error")
+
+
+@command("run", "run a Python script unchanged under ShadowMode (like python -m cProfile) and write its report",
+         _run_arguments)
+def _run(args: argparse.Namespace) -> int:
+    from .modes import ShadowMode
+    from .modes.emulate import emulate
+    from .progress import Progress
+    from .verdict import conclude
+
+    if not os.path.isfile(args.script):
+        why = "is a directory" if os.path.isdir(args.script) else "no such file"
+        raise _Failure(f"{args.script}: {why}; give the path of a Python script: shadow run [OPTIONS] SCRIPT [ARGS...]")
+    if problem := _unwritable(args.output):
+        raise _Failure(f"-o {args.output}: {problem}; give a writable path")
+    sm = ShadowMode(local=args.local, drift=args.drift, follow=args.follow, max_records=args.max_records,
+                    spot_checks=args.spot_checks, budgets=args.budgets, compare_cpu=args.compare_cpu,
+                    callsites=args.callsites)
+    window = _StepWindow(sm, args.skip_steps, args.steps)
+    device = emulate(args.emulate) if args.emulate else contextlib.nullcontext()  # outside ShadowMode, as it must be
+    with device, window, Progress(sm.report, step=lambda: window.done, shadowing=lambda: window.active):
+        status = _exec_script(args.script, args.args)
+    rep = sm.report
+    rep.meta["run"] = {"argv": [args.script, *args.args], "emulate": args.emulate, "skip_steps": args.skip_steps,
+                       "steps": args.steps, "optimizer_steps": window.done, "exit_status": status}
+    rep.save(args.output)
+    print(f"shadow: report written to {args.output}: {rep.coverage.calls} calls shadowed "
+          f"({_shadowed(rep.meta['run'])}); read it with: shadow show {args.output}", file=sys.stderr)
+    if not window.opened:
+        if status:
+            return status
+        raise _Failure(f"the script made {window.done} optimizer steps, so shadowing (from the end of step "
+                       f"{args.skip_steps}) never began: nothing was shadowed; give a smaller --skip-steps")
+    for line in conclude(rep).lines:
+        print(f"shadow: {line}", file=sys.stderr)
+    return status
+
+
+class _StepWindow:
+    """Shadows optimizer steps ``skip + 1`` to ``skip + steps``: ``mode`` is entered when step ``skip`` returns (at
+    the start when ``skip`` is 0) and left when step ``skip + steps`` returns (at the script's end when ``steps`` is
+    None). A step's forward and backward run before its ``optimizer.step()``, so the end of step N is where step
+    N + 1 begins. Every ``step()`` call of any optimizer counts (two optimizers make two steps an iteration).
+
+    The switch happens when the step's frame returns, not in the post hook that counts the step: entering or
+    leaving ShadowMode adds or removes optimizer step hooks of its own, while torch is iterating over that table to
+    call the post hooks ("OrderedDict mutated during iteration"; or a hook of ShadowMode's called at the end of a
+    step it never saw begin). So the hook marks its caller, the step's frame, to call back when it returns."""
+
+    def __init__(self, mode: Any, skip: int, steps: int | None):
+        self.mode, self.skip, self.steps = mode, skip, steps
+        self.done = 0  # optimizer steps the script completed
+        self.active = False  # the mode is entered
+        self.opened = False  # ... was at some point
+        self._handle = None
+
+    def __enter__(self) -> _StepWindow:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._handle = register_optimizer_step_post_hook(self._stepped)
+        if self.skip == 0:
+            self._open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+        if self.active:
+            self._close()
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.done += 1
+        if self.done == self.skip and not self.opened:
+            _on_return(sys._getframe(1), self._open)
+        elif self.active and self.steps is not None and self.done == self.skip + self.steps:
+            _on_return(sys._getframe(1), self._close)
+
+    def _open(self) -> None:
+        self.mode.__enter__()
+        self.active = self.opened = True
+
+    def _close(self) -> None:
+        self.active = False
+        self.mode.__exit__(None, None, None)
+
+
+def _on_return(frame: Any, action: Callable[[], None]) -> None:
+    """Call ``action()`` when ``frame`` returns, as pdb's "return" command does: a trace function on that frame
+    (chained to one it already has), and tracing turned on for this thread only until then (new frames untraced)."""
+    previous = sys.gettrace()
+    inner = frame.f_trace
+
+    def trace(f: Any, event: str, arg: Any) -> Any:
+        nonlocal inner
+        if inner is not None:
+            inner = inner(f, event, arg)
+        if event != "return":
+            return trace
+        if previous is None:
+            sys.settrace(None)
+        action()
+        return inner
+
+    frame.f_trace = trace
+    if previous is None:
+        frame.f_trace_lines = False
+        sys.settrace(_untraced)
+
+
+def _untraced(frame: Any, event: str, arg: Any) -> None:
+    return None
+
+
+def _exec_script(path: str, argv: list[str]) -> int:
+    """Run ``path`` as ``python path ARGS...`` would: as ``__main__``, with ``sys.argv`` = [path, ARGS...] and its
+    folder first on ``sys.path``. Returns its exit status; an exception is printed as the script's own traceback
+    (shadow's and runpy's frames left out) and gives 1, as Python gives."""
+    saved_argv, saved_path = sys.argv, sys.path[:]
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)  # sys.exit("message"), as Python prints it
+        return 1
+    except KeyboardInterrupt as exc:
+        sys.stderr.write(_script_traceback(exc))
+        return 130
+    except BaseException as exc:  # noqa: B036 - the script's error, whatever it is, is reported as Python would
+        sys.stderr.write(_script_traceback(exc))
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+_SHADOW = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_RUNPY = (runpy.__file__, runpy.run_path.__code__.co_filename)
+# torch's wrappers between an op call and a dispatch mode's __torch_dispatch__ (dynamo's disable): shadow's too
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PLUMBING = tuple(_TORCH + p for p in ("_compile.py", "_dynamo" + os.sep, os.path.join("utils", "_python_dispatch.py")))
+
+
+def _script_traceback(exc: BaseException) -> str:
+    """The traceback Python would print for ``exc`` had the script run alone, in the exception and in those it was
+    raised from: the frames of this CLI and runpy above the script's left out, and the stack cut where shadow's
+    dispatch begins, with torch's wrappers that lead to it (below it, shadow runs the op on the device: what raises
+    there is the op's own error). When
+    shadow itself raised, its frames stay: that is a bug in shadow, to report with them."""
+    shown = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    pending, seen = [shown], set()
+    while pending:
+        te = pending.pop()
+        if id(te) in seen:
+            continue
+        seen.add(id(te))
+        frames = list(te.stack)
+        while frames and (frames[0].filename.startswith(_SHADOW) or frames[0].filename in _RUNPY):
+            frames.pop(0)
+        if frames and not frames[-1].filename.startswith(_SHADOW):
+            cut = next((i for i, f in enumerate(frames) if f.filename.startswith(_SHADOW)), len(frames))
+            while cut and frames[cut - 1].filename.startswith(_PLUMBING):
+                cut -= 1
+            frames = frames[:cut]
+        te.stack = traceback.StackSummary.from_list(frames)
+        pending += [t for t in (te.__cause__, te.__context__, *(getattr(te, "exceptions", None) or ())) if t]
+    return "".join(shown.format())
+
+
+def _shadowed(run: dict) -> str:
+    """Which optimizer steps a run shadowed, in words."""
+    done, skip, steps = run["optimizer_steps"], run["skip_steps"], run["steps"]
+    if skip == 0 and steps is None:
+        return f"the whole script: {done} optimizer steps"
+    if done <= skip:
+        return f"nothing: the script made {done} optimizer steps, shadowing was to begin after step {skip}"
+    last = done if steps is None else min(skip + steps, done)
+    asked = "" if steps is None or skip + steps <= done else \
+        f"; steps up to {skip + steps} asked, the script made {done}"
+    which = f"step {last}" if last == skip + 1 else f"steps {skip + 1}-{last}"
+    return f"optimizer {which} of {done}{asked}"
+
+
+# --- show ---
+def _show_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("report", help="a report file: shadow run's shadow-report.json, or Report.save's")
+    p.add_argument("--by", choices=VIEWS, default="op", help="group the table by op (default), module, call site "
+                   "or phase")
+    p.add_argument("--top", type=_count_or_all, default=30, metavar="N|all", help="rows shown (default 30)")
+    p.add_argument("--phase", choices=[ph.value for ph in Phase], default=None,
+                   help="only the calls of one phase (default: all)")
+    p.add_argument("--tree", action="store_true", help="with --by module: every module, its submodules folded in")
+    p.add_argument("--plain", action="store_true",
+                   help="plain text even on a terminal with rich installed (rich draws the table otherwise)")
+
+
+@command("show", "print a report's table, the legend of its columns and the verdict", _show_arguments)
+def _show(args: argparse.Namespace) -> int:
+    if args.tree and args.by != "module":
+        raise _Failure("--tree folds modules into their parents: use it with --by module")
+    rep = _load(args.report)
+    print(_describe(args.report, rep))
+    print()
+    try:
+        print(_summary(rep, by=args.by, top=args.top, phase=args.phase, tree=args.tree, plain=args.plain))
+    except ValueError as exc:  # a report saved before call sites and phases were aggregated
+        raise _Failure(str(exc)) from None
+    print()
+    print("coverage:", rep.coverage)
+    return 0
+
+
+def _summary(rep: Report, *, plain: bool = False, **view: Any) -> str:
+    """``Report.summary`` drawn by rich on a terminal where rich is installed, plain text otherwise (a pipe, a log)."""
+    rich = not plain and sys.stdout.isatty() and _has_rich()
+    return rep.summary(**view, rich=rich, color=rich, width=shutil.get_terminal_size().columns)
+
+
+def _has_rich() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("rich") is not None
+
+
+def _load(path: str) -> Report:
+    from .errors import ReportFormatError
+    from .report import load_report
+
+    if not os.path.exists(path):
+        raise _Failure(f"{path}: no such file; give a report written by shadow run (-o PATH) or Report.save")
+    try:
+        return load_report(path)
+    except ReportFormatError as exc:
+        raise _Failure(f"{exc}; give a report written by shadow run or Report.save") from None
+    except OSError as exc:
+        raise _Failure(f"{path}: {exc.strerror}") from None
+
+
+def _describe(path: str, rep: Report) -> str:
+    """A report's provenance in one line: the command that wrote it, what it shadowed, the versions."""
+    meta = rep.meta
+    versions = f"torch {meta.get('torch', '?')}, shadow {meta.get('shadow', '?')}"
+    run = meta.get("run")
+    if not run:
+        return f"{path}: saved from Python ({versions})"
+    emulate = f" --emulate {run['emulate']}" if run.get("emulate") else ""
+    return (f"{path}: shadow run{emulate} {' '.join(run['argv'])}; {_shadowed(run)}; exit status "
+            f"{run['exit_status']} ({versions})")
+
+
+# --- compare ---
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    from .compare import FACTOR
+
+    p.add_argument("a", metavar="A", help="the baseline report (e.g. the float32 or CPU run)")
+    p.add_argument("b", metavar="B", help="the report judged against it (e.g. the bfloat16 or device run)")
+    p.add_argument("--factor", type=_factor, default=FACTOR,
+                   help=f"how much a figure must move to count as changed (default {FACTOR:g})")
+
+
+@command("compare", "compare two reports of the same program: which ops and modules got worse in B, and by how "
+         "much (exit status 1 if any)", _compare_arguments)
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import CompareError, compare
+
+    a, b = _load(args.a), _load(args.b)
+    try:
+        cmp = compare(a, b, factor=args.factor)
+    except CompareError as exc:
+        raise _Failure(f"{args.a} and {args.b}: {exc}") from None
+    print(f"A = {_describe(args.a, a)}")
+    print(f"B = {_describe(args.b, b)}")
+    print(cmp.text)
+    return 1 if cmp.worse("op") or cmp.worse("module") else 0
 
 
 # --- doctor ---
@@ -217,8 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shadow",
         description="Replay a PyTorch program op by op in float64 and report each op's error.",
-        epilog="run 'shadow COMMAND --help' for a command's options",
+        epilog="run 'shadow COMMAND --help' for a command's options; exit status: 0 success, 1 the script raised "
+               "(run) or B is worse (compare), 2 a usage error or unusable input, N the script's own sys.exit(N)",
     )
+    parser.add_argument("--version", action="version",
+                        version=f"shadow {__version__} (torch {torch.__version__}, Python {platform.python_version()})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in _COMMANDS.values():
         cmd.arguments(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
@@ -234,8 +612,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return _COMMANDS[args.command].run(args)
+    except _Failure as exc:
+        return _fail(f"{args.command}: {exc}")
     except BrokenPipeError:  # output piped into `head`: stop quietly, as other command-line tools do
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail
         return 1

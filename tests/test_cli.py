@@ -1,0 +1,250 @@
+"""`shadow run`, `show`, `compare` and `--version`, as a user runs them: in-process through `shadow.cli.main` (the
+same code as the console script, minus a Python start-up each), with one subprocess for the console entry."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import shadow
+from shadow import ShadowMode, load_report
+from shadow.cli import main
+from shadow.progress import Progress, status
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = "examples/train.py"  # a training loop that knows nothing of shadow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`shadow run` on the example (2 steps), on the CPU as it is and as TF32 would compute its matmuls."""
+    out = tmp_path_factory.mktemp("runs")
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # call sites are named relative to the working directory
+    try:
+        paths = {"fp32": out / "fp32.json", "tf32": out / "tf32.json"}
+        assert main(["run", "-o", str(paths["fp32"]), TRAIN, "--steps", "2"]) == 0
+        assert main(["run", "--emulate", "tf32", "-o", str(paths["tf32"]), TRAIN, "--steps", "2"]) == 0
+    finally:
+        os.chdir(cwd)
+    return paths
+
+
+def _train_module():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return train
+
+
+# --- run ---
+def test_run_writes_the_report_of_the_same_code_wrapped_in_shadowmode(runs, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with ShadowMode() as sm:
+        _train_module().main(["--steps", "2"])
+    ran, wrapped = load_report(runs["fp32"]).to_dict(), sm.report.to_dict()
+    assert ran["records"] and ran["dropped_records"] == 0
+    for part in ("records", "cells", "by_op", "by_module", "coverage", "events"):  # every figure, every call
+        assert ran[part] == wrapped[part], part
+    run = load_report(runs["fp32"]).meta["run"]
+    assert run == {"argv": [TRAIN, "--steps", "2"], "emulate": None, "skip_steps": 0, "steps": None,
+                   "optimizer_steps": 2, "exit_status": 0}
+
+
+def test_run_gives_the_script_its_argv_main_and_folder(tmp_path, capsys):
+    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""\
+        import sys
+        import helper                      # from the script's own folder
+        import torch
+        print("argv", sys.argv, __name__, helper.VALUE, float((torch.ones(3) * 2).sum()))
+        sys.exit(3)
+    """))
+    assert main(["run", "-o", str(tmp_path / "r.json"), str(script), "--flag", "x"]) == 3
+    assert f"argv {[str(script), '--flag', 'x']} __main__ 42 6.0" in capsys.readouterr().out
+    rep = load_report(tmp_path / "r.json")
+    assert rep.meta["run"]["exit_status"] == 3 and rep.by_op["aten.mul.Tensor"].calls == 1
+    assert str(tmp_path) not in sys.path and sys.argv[0] != str(script)  # restored after the run
+
+
+def test_run_shadows_only_the_steps_asked_for(tmp_path, monkeypatch, capsys):
+    """--skip-steps 1 --steps 1: from the end of step 1 to the end of step 2: step 2's forward, backward and AdamW
+    update, with module names as in a run shadowed from the start."""
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "window.json"
+    assert main(["run", "--skip-steps", "1", "--steps", "1", "-o", str(path), TRAIN, "--steps", "3"]) == 0
+    rep = load_report(path)
+    phases = {str(p): a.calls for p, a in rep.by_phase.items()}
+    assert phases["forward"] and phases["backward"] and phases["optimizer"]
+    assert rep.by_op["aten.addmm.default"].calls == 2  # one forward: two Linear layers with a bias
+    assert rep.by_op["aten.addcdiv_.default"].calls == 4  # one AdamW update of 4 parameters
+    assert {"Sequential.0", "Sequential.2", "Sequential.0.weight"} <= set(rep.by_module)
+    assert rep.meta["run"]["optimizer_steps"] == 3
+    assert "optimizer step 2 of 3" in capsys.readouterr().err
+
+
+def test_run_asked_for_steps_the_script_never_makes(tmp_path, capsys):
+    script = tmp_path / "no_steps.py"
+    script.write_text("import torch\nprint(float(torch.ones(2).sum()))\n")
+    assert main(["run", "--skip-steps", "5", "-o", str(tmp_path / "r.json"), str(script)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("shadow: error: run: the script made 0 optimizer steps, so shadowing (from the end of step 5) "
+                   "never began: nothing was shadowed; give a smaller --skip-steps")
+
+
+def test_run_a_script_that_raises_shows_its_own_traceback_and_writes_the_report(tmp_path, capsys):
+    script = tmp_path / "raiser.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+
+
+        def broken(x):
+            return torch.mm(x, torch.ones(3, 5))
+
+
+        x = torch.randn(4, 4)
+        y = (x @ x).sum()
+        broken(x)
+    """))
+    assert main(["run", "-o", str(tmp_path / "r.json"), str(script)]) == 1
+    err = capsys.readouterr().err
+    trace = err[err.index("Traceback"):err.index("shadow: report written")]
+    # what `python raiser.py` prints: the script's two frames and torch's error, no frame of shadow or runpy
+    assert [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")] == [
+        f'File "{script}", line 10, in <module>', f'File "{script}", line 5, in broken']
+    assert trace.rstrip().endswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x4 and 3x5)")
+    rep = load_report(tmp_path / "r.json")  # the partial report: what ran before the error
+    assert rep.by_op["aten.mm.default"].calls == 1 and rep.meta["run"]["exit_status"] == 1
+
+
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_run_without_a_script_is_a_one_line_error(tmp_path, capsys, what):
+    path = tmp_path / "nope.py" if what == "missing" else tmp_path
+    assert main(["run", "-o", str(tmp_path / "r.json"), str(path)]) == 2
+    out, err = capsys.readouterr()
+    why = "no such file" if what == "missing" else "is a directory"
+    assert out == "" and err == (f"shadow: error: run: {path}: {why}; give the path of a Python script: "
+                                 "shadow run [OPTIONS] SCRIPT [ARGS...]\n")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_run_checks_the_report_path_before_running(tmp_path, capsys):
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    assert main(["run", "-o", str(tmp_path / "missing" / "r.json"), str(script)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "run: -o" in err and "does not exist; give a writable path" in err
+
+
+def test_console_script_version_and_a_raising_script(tmp_path):
+    """The real entry (`python -m shadow`): --version, and a raising script's stderr as Python's own."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    version = subprocess.run([sys.executable, "-m", "shadow", "--version"], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert version.returncode == 0
+    assert version.stdout.startswith(f"shadow {shadow.__version__} (torch {torch.__version__}")
+    script = tmp_path / "raiser.py"
+    script.write_text("import sys\nprint('args', sys.argv[1:])\nraise ValueError('bad value')\n")
+    proc = subprocess.run([sys.executable, "-m", "shadow", "run", "-o", str(tmp_path / "r.json"), str(script), "a"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == "args ['a']\n"
+    assert proc.stderr.startswith(f'Traceback (most recent call last):\n  File "{script}", line 3, in <module>\n'
+                                  "    raise ValueError('bad value')\nValueError: bad value\nshadow: report written")
+    assert load_report(tmp_path / "r.json").meta["run"]["exit_status"] == 1
+
+
+# --- show ---
+def test_show_prints_the_table_legend_and_verdict(runs, capsys):
+    assert main(["show", str(runs["fp32"])]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{runs['fp32']}: shadow run {TRAIN} --steps 2; the whole script: 2 optimizer steps; "
+                          "exit status 0 (torch")
+    assert "rows: worst budget use first, then worst local ulp, then worst drift; columns:" in out
+    assert "\n  budget     worst local error / the error a correct kernel" in out
+    assert "verdict: all " in out and "within their float32 budgets: nothing suspicious" in out
+    assert "\ncoverage: " in out
+
+    assert main(["show", str(runs["tf32"]), "--by", "module", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = out.split("-\n", 1)[1].split("\n\n")[0].splitlines()
+    assert [r.split()[0] for r in rows[:2]] == ["Sequential.2", "Sequential.0"] and rows[2].startswith("(2 of ")
+    assert "verdict: 2 op classes over budget" in out
+    assert "  aten.mm " in out and "TF32-like" in out
+
+
+def test_show_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    for argv, message in [
+        (["show", str(tmp_path / "none.json")], f"show: {tmp_path / 'none.json'}: no such file; give a report written "
+                                                "by shadow run (-o PATH) or Report.save"),
+        (["show", str(bad)], f"show: {bad}: not a shadow report: expected format 'shadow-report', got 'something "
+                             "else'; give a report written by shadow run or Report.save"),
+        (["show", str(bad), "--tree"], "show: --tree folds modules into their parents: use it with --by module"),
+    ]:
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == f"shadow: error: {message}\n"
+
+
+# --- compare ---
+def test_compare_names_the_tf32_matmuls_as_worse(runs, capsys):
+    assert main(["compare", str(runs["fp32"]), str(runs["tf32"])]) == 1  # B is worse: like diff, status 1
+    out = capsys.readouterr().out
+    assert re.search(r"^matched (\d+) calls in order, of A's \1 and B's \1 \(100%\)$", out, re.M)
+    worse = out.split("own error worse in B, by op (A -> B):\n")[1].split("own error worse in B, by module")[0]
+    assert [line.split()[0] for line in worse.splitlines()] == ["aten.mm.default", "aten.addmm.default"]
+    assert "verdict: B is worse: the own error of 2 op classes grew 2x or more: aten.mm " in out
+
+
+def test_compare_identical_runs_says_nothing_changed(runs, capsys):
+    assert main(["compare", str(runs["fp32"]), str(runs["fp32"])]) == 0
+    assert capsys.readouterr().out.endswith("verdict: nothing changed: the same calls with the same figures\n")
+
+
+def test_compare_refuses_reports_of_different_programs(runs, tmp_path, capsys):
+    other = tmp_path / "other.json"
+    with ShadowMode() as sm:
+        torch.ones(3).exp()
+    sm.report.save(other)
+    assert main(["compare", str(runs["fp32"]), str(other)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"shadow: error: compare: {runs['fp32']} and {other}: the reports are not of the same "
+                          "program: only 0% of their op calls match in order")
+    assert err.rstrip().endswith("compare two runs of the same script with the same steps")
+
+
+# --- progress ---
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_on_a_terminal_only():
+    with ShadowMode() as sm:
+        (torch.randn(4, 64) @ torch.randn(64, 4)).sum()
+    assert status(sm.report, 3, True).startswith(f"shadow: {sm.report.coverage.calls} calls, step 3 (shadowing), "
+                                                 "worst aten.")
+    term, log = _Terminal(), io.StringIO()
+    for stream in (term, log):
+        with Progress(sm.report, step=lambda: 1, shadowing=lambda: False, stream=stream, interval=0.01):
+            for _ in range(100):  # until the thread has drawn at least once
+                if stream.getvalue():
+                    break
+                time.sleep(0.01)
+    assert "\r\x1b[Kshadow: " in term.getvalue() and "step 1 (waiting)" in term.getvalue()
+    assert term.getvalue().endswith("\r\x1b[K")  # erased at the end
+    assert log.getvalue() == ""
