@@ -1,5 +1,5 @@
-"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the run's meta, coverage, the
-calls over budget, the per-op and per-module tables, where NaN/Inf is born, and the plots (``shadow.plots``).
+"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the verdict, the run's meta,
+coverage, the calls over budget, the per-op and per-module tables, where NaN/Inf is born, and the plots (``shadow.plots``).
 
 Everything is inline (styles, a small table-sorting script, plots as base64 PNG) and the page's Content Security
 Policy forbids loading anything else, so it opens offline and can be mailed or attached to a bug report as one
@@ -23,7 +23,8 @@ from . import plots
 from .cli import _fail, _unwritable, command
 from .errors import ReportFormatError
 from .records import Record
-from .report import Aggregate, Report, _budget_cell, _floating, _fmt, _short_dtype, _ulp_cell, load_report
+from .report import LEGEND, Aggregate, Report, _budget_cell, _floating, _fmt, _short_dtype, _ulp_cell, load_report
+from .verdict import conclude
 
 MAX_ROWS = 500  # rows of the over-budget table; the rest are counted (a long run can have thousands)
 
@@ -39,6 +40,10 @@ th[aria-sort=ascending]::after { content: " \\25B4"; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr.over td { background: #fbe9e9; }
 pre { background: #f7f7f7; padding: .6em; overflow-x: auto; }
+pre.verdict { white-space: pre-wrap; border-left: 4px solid #55a868; font-size: 14px; }
+pre.verdict.suspicious { border-left-color: #c44e52; }
+dl.legend { display: grid; grid-template-columns: max-content auto; gap: .1em 1em; font-size: 13px; color: #555; }
+dl.legend dt { font-weight: 600; } dl.legend dd { margin: 0; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption, .note { color: #555; font-size: 13px; }
 """
@@ -72,13 +77,8 @@ _CAPTIONS = {
     "modules": "Local error per module and phase (max budget used; - no call held to a rule's budget). A "
                "parameter's optimizer calls count in its module's row.",
 }
-_LEGEND = ("calls: every call, kept or not; dtype: result dtypes (shown when the run mixes them); local ulp: max "
-           "local error in ulps over elements whose reference is not 0 (z: some reference is exactly 0 where the "
-           "device is not: read the budget there); budget: max budget used (! some call over budget; - only "
-           "default budgets, no evidence); bits: the fewest effective mantissa bits of a call (- exact or no "
-           "budget); drift rel: max drift rel_norm; flips: differing elements of discrete results; nonfin: "
-           "NaN/Inf mismatches; unsup: calls not replayed; untrust: calls whose float64 reference mpmath found "
-           "wrong. Sorted by budget, then local ulp, then drift, as Report.table; click a header to re-sort.")
+_ORDER = "Rows: worst budget use first, then worst local ulp, then worst drift (as Report.table); click a header " \
+         "to sort by it. Shaded rows had a call over budget. Columns:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,10 @@ def render(report: Report, *, title: str = "shadow report") -> str:
 
     >>> page = render(shadow.load_report("run.json"))   # doctest: +SKIP
     """
+    verdict = conclude(report)
     body = [
         f"<h1>{escape(title)}</h1>",
+        f'<pre class="verdict{" suspicious" if verdict.suspicious else ""}">{escape(verdict.text)}</pre>',
         _meta(report),
         "<h2>Coverage</h2>",
         f"<pre>{escape(str(report.coverage))}</pre>",
@@ -109,7 +111,7 @@ def render(report: Report, *, title: str = "shadow report") -> str:
         _aggregates(report.by_op, "op"),
         "<h2>Per module</h2>",
         _aggregates(report.by_module, "module"),
-        f'<p class="note">{escape(_LEGEND)}</p>',
+        _legend(),
         "<h2>Plots</h2>",
         _plots(report),
     ]
@@ -184,6 +186,12 @@ def _aggregates(table: dict[str, Aggregate], by: str) -> str:
     columns = _AGGREGATE_COLUMNS if mixed else [c for c in _AGGREGATE_COLUMNS if c[0] != "dtype"]
     body = [[_Cell(key or "(none)")] + [cell(a) for _, cell in columns] for key, a in rows]
     return _table([by] + [name for name, _ in columns], body, [a.over_budget_calls > 0 for _, a in rows])
+
+
+def _legend() -> str:
+    """What each column means: ``report.LEGEND``, the words ``Report.summary`` prints, in the tables' order."""
+    entries = "".join(f"<dt>{escape(name)}</dt><dd>{escape(LEGEND[name])}</dd>" for name, _ in _AGGREGATE_COLUMNS)
+    return f'<p class="note">{escape(_ORDER)}</p>\n<dl class="legend">{entries}</dl>'
 
 
 _AGGREGATE_COLUMNS: list[tuple[str, Callable[[Aggregate], _Cell]]] = [

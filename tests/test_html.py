@@ -4,6 +4,7 @@ the over-budget table)."""
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -17,6 +18,8 @@ pytest.importorskip("matplotlib")
 
 import shadow.html  # noqa: E402  (registers the command, as the CLI's import of it will)
 from shadow import Kind, Phase, Record, Report, ShadowMode, cli  # noqa: E402
+from shadow.report import LEGEND  # noqa: E402
+from shadow.verdict import conclude  # noqa: E402
 from test_plots import tf32_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,8 +43,10 @@ def _section(page: str, heading: str) -> str:
     return page[start:end if end >= 0 else None]
 
 
-def test_page_holds_meta_coverage_tables_and_plots(page, saved):
+def test_page_holds_verdict_meta_coverage_tables_and_plots(page, saved):
     rep = shadow.load_report(saved)
+    verdict = re.search(r'<pre class="verdict suspicious">(.*?)</pre>', page, re.S).group(1)
+    assert verdict == html.escape(conclude(rep).text) and "\n  aten.mm " in verdict
     assert f"<td>{torch.__version__}</td>" in _section(page, "Run")
     assert "<summary>options</summary>" in page
     assert str(rep.coverage).splitlines()[0] in _section(page, "Coverage")
@@ -52,6 +57,7 @@ def test_page_holds_meta_coverage_tables_and_plots(page, saved):
     assert all(f"<td>{op}</td>" in per_op for op in rep.by_op)
     assert per_op.count('<tr class="over">') == 2  # mm and addmm
     assert all(f"<td>{m}</td>" in _section(page, "Per module") for m in rep.by_module if m)
+    assert all(f"<dt>{name}</dt><dd>{html.escape(LEGEND[name])}</dd>" in page for name in LEGEND)
     assert "No kept call produced NaN or Inf" in page
     assert page.count('src="data:image/png;base64,') == 3
 
@@ -68,6 +74,7 @@ def test_strings_from_the_report_are_escaped():
     rep.add(Record(0, "aten.mm.default", "<img src=x onerror=alert(2)>", Phase.FORWARD, Kind.REPLAYED,
                    callsite="<b>x.py</b>:1"))
     page = shadow.html.render(rep)
+    assert f'<pre class="verdict">{html.escape(conclude(rep).text)}</pre>' in page  # no budget: not suspicious
     assert "<script>alert" not in page and "<img src=x" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "a &amp; b" in page
     assert "&lt;img src=x onerror=alert(2)&gt;" in page
