@@ -1,5 +1,6 @@
 """A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the verdict, the run's meta,
-coverage, the calls over budget, the per-op and per-module tables, where NaN/Inf is born, and the plots (``shadow.plots``).
+coverage, where NaN/Inf is born, the calls over budget, the per-op and per-module tables, and the plots
+(``shadow.plots``).
 
 Everything is inline (styles, a small table-sorting script, plots as base64 PNG) and the page's Content Security
 Policy forbids loading anything else, so it opens offline and can be mailed or attached to a bug report as one
