@@ -140,7 +140,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save", metavar="PATH", default=None, help="also write the report as JSON to PATH")
 
 
-@command("demo", "shadow a small model's training step (Linear layers, Adam) and print the per-op table",
+@command("demo", "shadow a small model's training step (Linear layers, Adam) and print the per-op table and verdict",
          _demo_arguments)
 def _demo(args: argparse.Namespace) -> int:
     from .modes import ShadowMode
@@ -617,3 +617,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head`: stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail
         return 1
+
+
+# commands kept in modules of their own register themselves with @command when imported
+try:
+    from . import html as _html  # noqa: F401  (registers "html")
+except ModuleNotFoundError as exc:  # a copy without it; any other import error is a bug to be seen
+    if exc.name != f"{__package__}.html":
+        raise

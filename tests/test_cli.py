@@ -148,13 +148,21 @@ def test_run_checks_the_report_path_before_running(tmp_path, capsys):
     assert out == "" and "run: -o" in err and "does not exist; give a writable path" in err
 
 
-def test_console_script_version_and_a_raising_script(tmp_path):
-    """The real entry (`python -m shadow`): --version, and a raising script's stderr as Python's own."""
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"shadow {shadow.__version__} (torch {torch.__version__}, Python ")
+
+
+def test_console_entry_lists_every_command_and_runs_a_raising_script(tmp_path):
+    """The real entry (`python -m shadow`): every command registered (html from its own module), and a raising
+    script's stderr as Python's own."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    version = subprocess.run([sys.executable, "-m", "shadow", "--version"], capture_output=True, text=True, env=env,
-                             timeout=120)
-    assert version.returncode == 0
-    assert version.stdout.startswith(f"shadow {shadow.__version__} (torch {torch.__version__}")
+    usage = subprocess.run([sys.executable, "-m", "shadow", "--help"], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert usage.returncode == 0
+    assert all(f"\n    {name} " in usage.stdout for name in ("demo", "run", "show", "compare", "doctor", "html"))
     script = tmp_path / "raiser.py"
     script.write_text("import sys\nprint('args', sys.argv[1:])\nraise ValueError('bad value')\n")
     proc = subprocess.run([sys.executable, "-m", "shadow", "run", "-o", str(tmp_path / "r.json"), str(script), "a"],
