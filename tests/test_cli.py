@@ -241,7 +241,7 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_line_on_a_terminal_only():
+def test_progress_line_on_a_terminal_only(capsys):
     with ShadowMode() as sm:
         (torch.randn(4, 64) @ torch.randn(64, 4)).sum()
     assert status(sm.report, 3, True).startswith(f"shadow: {sm.report.coverage.calls} calls, step 3 (shadowing), "
@@ -253,6 +253,8 @@ def test_progress_line_on_a_terminal_only():
                 if stream.getvalue():
                     break
                 time.sleep(0.01)
-    assert "\r\x1b[Kshadow: " in term.getvalue() and "step 1 (waiting)" in term.getvalue()
-    assert term.getvalue().endswith("\r\x1b[K")  # erased at the end
+            print("the script's own line")  # erases the status line first
+    assert term.getvalue().startswith("shadow: ") and "step 1 (waiting)" in term.getvalue()
+    assert "\r\x1b[K" in term.getvalue() and term.getvalue().endswith("\r\x1b[K")  # erased, and at the end
     assert log.getvalue() == ""
+    assert capsys.readouterr().out == "the script's own line\n" * 2
