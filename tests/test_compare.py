@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shadow import ShadowMode
-from shadow.compare import CompareError, compare
+from shadow.compare import CompareError, align, compare
 from shadow.modes import TF32Mode
 
 
@@ -114,3 +114,16 @@ def test_without_records_the_op_counts_are_compared(fp32, tf32):
 def test_factor_must_exceed_one(fp32):
     with pytest.raises(ValueError, match="factor=1: expected a number > 1"):
         compare(fp32, fp32, factor=1)
+
+
+def test_align_periodic_calls_step_by_step():
+    """A training run repeats its calls every step: a call missing mid-run and one added near the start must not
+    shift the alignment by a step (difflib alone matched about half of such a sequence)."""
+    steps = [f"op{k}" for k in range(8)] * 500
+    other = steps[:2000] + steps[2003:]
+    other.insert(20, "op3")
+    pairs = align(steps, other)
+    assert len(pairs) == len(steps) - 3
+    assert all(steps[i] == other[j] for i, j in pairs)
+    assert all(i1 < i2 and j1 < j2 for (i1, j1), (i2, j2) in zip(pairs, pairs[1:]))
+    assert align(list("abcab"), list("zabcb")) == [(0, 1), (1, 2), (2, 3), (4, 4)]
