@@ -207,7 +207,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 # --- run ---
-DEFAULT_MAX_RECORDS = 10_000  # per-call records kept by `run` (~1.1 kB each in the file); the tables cover every call
+DEFAULT_MAX_RECORDS = 10_000  # per-call records kept by `run` (~1.2 kB each in the file); the tables cover every call
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
@@ -223,7 +223,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate", choices=sorted(EMULATIONS), default=None,
                    help="compute on the CPU as an emulated device would (shadow.modes.emulate), e.g. tf32")
     p.add_argument("--max-records", type=_count_or_all, default=DEFAULT_MAX_RECORDS, metavar="N|all",
-                   help=f"per-call records kept in the report (default {DEFAULT_MAX_RECORDS}: ~11 MB); the tables "
+                   help=f"per-call records kept in the report (default {DEFAULT_MAX_RECORDS}: ~13 MB); the tables "
                         "and the verdict cover every call regardless")
     p.add_argument("--spot-checks", type=_spot_checks, default="default", metavar="off|default|all|N",
                    help="mpmath checks of the float64 reference (default: default)")
