@@ -403,7 +403,8 @@ def test_modes_consume_no_random_numbers(name):
 def test_emulate_names_and_options_are_validated():
     assert isinstance(emulate("tf32", rounding="rne"), TF32Mode)
     assert emulate("fp16_accum", block=8).options.block == 8
-    with pytest.raises(ValueError, match=r"emulate\('tf16'\): expected one of \['bf16', 'fp16_accum', 'ftz', 'tf32'\]"):
+    names = r"\['bf16', 'fp16', 'fp16_accum', 'fp8', 'ftz', 'tf32'\]"
+    with pytest.raises(ValueError, match=r"emulate\('tf16'\): expected one of " + names):
         emulate("tf16")
     with pytest.raises(TypeError, match="unexpected keyword argument 'rounding'"):
         emulate("bf16", rounding="rne")
@@ -509,3 +510,54 @@ def test_cuda_tf32_matmul_rounds_like_the_default_emulation(cuda_tf32):
     real = (a.cuda() @ b.cuda()).cpu()
     # the same operands, products exact, float32 sums in another order: ~1e-6 of the largest output
     assert (real - emulated).abs().max() <= 1e-5 * real.abs().max()
+
+
+# --- float16 arithmetic, FP8 matmuls, one module only ---
+def test_fp16_mode_is_float16_arithmetic_with_its_range():
+    from shadow.modes import FP16Mode
+
+    x = torch.tensor([1.0, 1e-3, 10.0, 12.0])
+    with FP16Mode():
+        y = torch.exp(x)
+    assert torch.equal(y, torch.exp(x.half()).float())
+    assert torch.isinf(y[3]) and float(y[2]) == float(torch.tensor(22026.465, dtype=torch.float16))  # e^12 > 65504
+
+
+def test_fp8_mode_quantizes_matmul_operands_per_tensor_and_gradients_in_e5m2():
+    from shadow.modes import FP8Mode
+    from shadow.modes.emulate.formats import E4M3, E5M2, round_to
+    from shadow.modes.emulate.fp8 import quantize
+
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    with FP8Mode():
+        y = a @ b
+    assert torch.equal(y, quantize(a, E4M3) @ quantize(b, E4M3))
+    q = quantize(a, E4M3)  # amax maps to 448: relative error at most half of 2**-3
+    assert float(((q - a).abs() / a.abs()).max()) <= 2**-4 + 1e-6 and float(q.abs().max()) == float(a.abs().max())
+    assert torch.equal(round_to(torch.tensor([57344.0, 61440.0]), E5M2), torch.tensor([57344.0, float("inf")]))
+    # backward: the gradient reaching the first layer is made during backward (E5M2), the activation is not (E4M3)
+    w1, w2 = torch.randn(8, 32, requires_grad=True), torch.randn(1, 8, requires_grad=True)
+    grads = []
+    with FP8Mode():
+        h = a @ w1.t()
+        h.register_hook(grads.append)
+        (h.relu() @ w2.t()).sum().backward()
+    gh = grads[0]
+    assert torch.equal(w1.grad, quantize(gh.t(), E5M2) @ quantize(a, E4M3))
+    assert not torch.equal(w1.grad, quantize(gh.t(), E4M3) @ quantize(a, E4M3))
+
+
+def test_scoped_emulation_touches_one_module_only():
+    from shadow.modes import BF16Mode, Scoped
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    with Scoped(BF16Mode(), module="Sequential.1"), ShadowMode(spot_checks="off") as sm:
+        net(x)
+    first, second = (sm.report.find(op="addmm", module=f"Sequential.{i}")[0] for i in (0, 1))
+    assert first.local.rel_norm < 1e-6 < 1e-4 < second.local.rel_norm
+    with pytest.raises(EmulationOrderError):
+        with ShadowMode(), Scoped(BF16Mode(), module="Sequential.1"):
+            pass

@@ -13,18 +13,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..attribution.tracking import _Tracker
 from ..errors import ShadowOptionError
 from ..plan import OpPlan, flat_returns, plan_of
 from .emulate._mode import require_outside_shadow
-from .emulate._utils import _floating, computes, overloads
+from .emulate._utils import _floating
+from .select import Selection
 
 _no_dispatch = torch._C._DisableTorchDispatch  # the fault's own arithmetic must reach no mode
-
-_OP_FORMS = ("an OpOverload (torch.ops.aten.gelu.default), an OpOverloadPacket (torch.ops.aten.gelu) or an aten op "
-             "name ('aten.gelu', 'gelu', 'aten.gelu.default'; a name or packet takes every overload and the "
-             "in-place twin gelu_)")
-_MODULE_FORMS = "a dotted module path as shadow's records name it ('Net.fc1', 'Sequential.0') or an nn.Module"
 
 
 class FaultMode(TorchDispatchMode):
@@ -56,20 +51,15 @@ class FaultMode(TorchDispatchMode):
         if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not math.isfinite(rel):
             raise ShadowOptionError(f"FaultMode(rel={rel!r}): expected a finite real number, the relative error "
                                     "to inject (rel=1e-3: outputs times 1.001)")
-        if op is None and module is None:
-            raise ShadowOptionError(f"FaultMode(): choose what to perturb: op= ({_OP_FORMS}) and/or module= "
-                                    f"({_MODULE_FORMS})")
         if not isinstance(random_sign, bool):
             raise ShadowOptionError(f"FaultMode(random_sign={random_sign!r}): expected True or False")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ShadowOptionError(f"FaultMode(seed={seed!r}): expected an int")
         self.rel = float(rel)
-        self.ops = None if op is None else _resolve_ops(op)  # None: any op that computes
-        self.module = None if module is None else _check_module(module)
+        self.selection = Selection("FaultMode", op=op, module=module, verb="perturb")
         self.random_sign = random_sign
         self.seed = seed
         self._op, self._module_arg = op, module  # as given, for repr
-        self._tracker = _Tracker() if module is not None else None  # the module stack, as ShadowMode tracks it
         self._generator = torch.Generator()  # private: torch's default generators are never drawn from
         self.reset()
 
@@ -90,32 +80,22 @@ class FaultMode(TorchDispatchMode):
 
     def __enter__(self):
         require_outside_shadow(repr(self))
-        if self._tracker is not None:
-            self._tracker.__enter__()
+        self.selection.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            if self._tracker is not None:
-                self._tracker.__exit__(*exc)
+            self.selection.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._claims(func):
+        if self.selection.claims(func):
             with _no_dispatch():
                 self._perturb(plan_of(func), args, kwargs, out)
         return out
-
-    def _claims(self, func: torch._ops.OpOverload) -> bool:
-        if self.ops is not None and func not in self.ops:
-            return False
-        if self.module is None:
-            return True
-        name = self.module if isinstance(self.module, str) else self._tracker._known_modules.get(self.module)
-        return name in self._tracker.parents and computes(plan_of(func))
 
     def _perturb(self, plan: OpPlan, args: tuple, kwargs: dict, out: Any) -> None:
         """Written arguments and fresh results times (1 + rel), in place (a result aliasing an argument is that
@@ -134,41 +114,3 @@ class FaultMode(TorchDispatchMode):
         self._generator.manual_seed(self.seed)
         sign = torch.randint(0, 2, t.shape, generator=self._generator, dtype=torch.float64).mul_(2).sub_(1)
         return sign.mul_(self.rel).add_(1.0).to(t.device)
-
-
-def _resolve_ops(op: Any) -> frozenset[torch._ops.OpOverload]:
-    """The overloads ``op`` names that compute values (views and data movement have no error of their own)."""
-    if isinstance(op, torch._ops.OpOverload):
-        found = [op]
-    elif isinstance(op, torch._ops.OpOverloadPacket):
-        found = _named(op._qualified_op_name.replace("::", "."), op)
-    elif isinstance(op, str):
-        found = _named(op, op)
-    else:
-        raise ShadowOptionError(f"FaultMode(op={op!r}): expected {_OP_FORMS}")
-    computing = frozenset(o for o in found if computes(plan_of(o)))
-    if not computing:
-        raise ShadowOptionError(f"FaultMode(op={op!r}): {', '.join(map(str, found))} computes no values (a view, "
-                                "data movement or a partial write): choose an op that computes, such as 'gelu'")
-    return computing
-
-
-def _named(name: str, given: Any) -> list[torch._ops.OpOverload]:
-    parts = name.split(".")
-    if parts[0] == "aten":
-        parts = parts[1:]
-    packet = getattr(torch.ops.aten, parts[0], None) if len(parts) in (1, 2) and parts[0] else None
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise ShadowOptionError(f"FaultMode(op={given!r}): no aten op {name!r}; expected {_OP_FORMS}")
-    if len(parts) == 1:
-        return overloads(parts[0], skip=())
-    if parts[1] not in packet.overloads():
-        raise ShadowOptionError(f"FaultMode(op={given!r}): aten.{parts[0]} has no overload {parts[1]!r}; its "
-                                f"overloads: {', '.join(packet.overloads())}")
-    return [getattr(packet, parts[1])]
-
-
-def _check_module(module: Any) -> str | torch.nn.Module:
-    if isinstance(module, torch.nn.Module) or (isinstance(module, str) and module):
-        return module
-    raise ShadowOptionError(f"FaultMode(module={module!r}): expected {_MODULE_FORMS}")

@@ -7,7 +7,11 @@ TF32 do to my model?").
 ``BF16Mode()``          float32 storage, bfloat16 arithmetic: floating inputs and outputs rounded
 ``FP16AccumMode()``     float16 sums, means, cumsums and matmuls through a float16 accumulator
 ``FTZMode()``           flush-to-zero: subnormal inputs and outputs become signed zeros
+``FP16Mode()``          float32 storage, float16 arithmetic: inputs and outputs rounded (inf above 65504)
+``FP8Mode()``           float32 matmuls on FP8 operands (E4M3, gradients E5M2), per-tensor amax scaling
 ======================  ===========================================================================
+
+``shadow.modes.Scoped(mode, op=..., module=...)`` applies one to part of a program only.
 
 Stacking order: enter the emulation FIRST (outermost ``with``), so that ShadowMode sees each op first
 and the emulation computes it as the device: ``with TF32Mode(), ShadowMode() as sm:``. Entering an
@@ -28,7 +32,9 @@ docs/hardware-numerics.md.
 from ...errors import EmulationOrderError
 from ._mode import EMULATIONS, Emulation, emulate
 from .bf16 import BF16Mode
-from .formats import BF16, FP16, TF32, Format, Rounding, flush_subnormals, round_to, to_tf32
+from .formats import BF16, E4M3, E5M2, FP16, TF32, Format, Rounding, flush_subnormals, round_to, to_tf32
+from .fp8 import FP8Mode
+from .fp16 import FP16Mode
 from .fp16_accum import FP16AccumMode
 from .ftz import FTZMode
 from .tf32 import TF32Mode
@@ -39,6 +45,8 @@ __all__ = [
     "BF16Mode",
     "FP16AccumMode",
     "FTZMode",
+    "FP16Mode",
+    "FP8Mode",
     "emulate",
     "EMULATIONS",
     "EmulationOrderError",
@@ -46,6 +54,8 @@ __all__ = [
     "TF32",
     "BF16",
     "FP16",
+    "E4M3",
+    "E5M2",
     "Rounding",
     "round_to",
     "to_tf32",

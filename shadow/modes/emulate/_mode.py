@@ -78,12 +78,18 @@ class Emulation(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         chain = self.table.chain(func)
+        out = NotImplemented
         if chain:
             with _no_dispatch():
                 out = run_chain(chain, plan_of(func), args, kwargs, self.options)
-            if out is not NotImplemented:
-                return out
-        return func(*args, **kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+        self.seen(func, args, kwargs, out)
+        return out
+
+    def seen(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Every call and its result, claimed or not (a device that tells gradients from activations learns them
+        here)."""
 
 
 def require_outside_shadow(built: str) -> None:

@@ -21,15 +21,26 @@ class Format:
     emin: int
     emax: int
     dtype: torch.dtype | None = None  # the torch dtype holding exactly this format, if any
+    largest: float | None = None  # the largest finite value where the format takes codes from it (E4M3's NaN)
 
     @property
     def max(self) -> float:
+        if self.largest is not None:
+            return self.largest
         return (2.0 - 2.0 ** (1 - self.precision)) * 2.0**self.emax
+
+    @property
+    def tiny(self) -> float:
+        """The smallest normal value: below it values are subnormal (or flush to zero)."""
+        return 2.0**self.emin
 
 
 TF32 = Format("tf32", 11, -126, 127)
 BF16 = Format("bfloat16", 8, -126, 127, torch.bfloat16)
 FP16 = Format("float16", 11, -14, 15, torch.float16)
+# OCP FP8 (Transformer Engine): E4M3 has no infinities and one NaN code per sign, so its largest value is 448
+E4M3 = Format("float8_e4m3", 4, -6, 8, largest=448.0)
+E5M2 = Format("float8_e5m2", 3, -14, 15)
 
 
 class Rounding(str, enum.Enum):

@@ -1,0 +1,36 @@
+"""FP16Mode: float32 storage, float16 arithmetic. Every op that computes values sees its floating tensor
+inputs rounded to float16 and returns its floating outputs rounded to float16 (values beyond 65504 become
+infinite, tiny ones subnormal or zero, as float16 hardware gives them), stored back in the original dtype;
+data movement and partial writes pass through (``_utils.PASS_THROUGH``)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...rules import RuleTable
+from ._mode import Emulation, Rule, register
+from ._utils import computes, transform_io
+from .formats import FP16, round_to
+
+TABLE: RuleTable[Rule] = RuleTable("fp16")  # no default: unclaimed ops pass through
+
+
+def _to_fp16(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float16 else round_to(t, FP16)
+
+
+TABLE.register_predicate(computes)(functools.partial(transform_io, _to_fp16))
+
+
+@register("fp16", TABLE)
+class FP16Mode(Emulation):
+    """float32 storage, float16 arithmetic: floating inputs and outputs of every op rounded to float16.
+
+    >>> with FP16Mode():
+    ...     y = torch.exp(x)       # == torch.exp(x.half()).float(): inf above 65504   # doctest: +SKIP
+    """
+
+    def __init__(self):
+        super().__init__(self.name)
