@@ -15,7 +15,9 @@ from .records import BudgetInfo, Kind, Phase, Record
 from .report import Aggregate, Coverage, Report, load_report
 from .spot import SpotStats
 from .attribution.share import AttributionResult, Share, attribute
+from .audit import AuditReport, AuditRow, audit
+from .audit.plan import Plan
 
 __all__ = ["ShadowMode", "Report", "Record", "Aggregate", "Coverage", "BudgetInfo", "ErrorStats", "SpotStats", "Kind",
            "Phase", "load_report", "ShadowOptionError", "ReportFormatError", "ShadowWarning", "attribute",
-           "AttributionResult", "Share"]
+           "AttributionResult", "Share", "audit", "AuditReport", "AuditRow", "Plan"]

@@ -147,7 +147,7 @@ class Engine:
         # shadow.attribute's hooks (None in a plain ShadowMode): how an ablation world rewrites a call's shadows,
         # given (op, module, phase, call site) (_rewrite_shadow); and a look at each judged call's record and outputs
         self.world: Callable[[str, str, Any, str], str | None] | None = None
-        self.observe: Callable[[Record, list[Output]], None] | None = None
+        self.observe: Callable[[Record, list[Output], Prepared], None] | None = None
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
@@ -336,7 +336,7 @@ class Engine:
         rec = self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs,
                            cpu=cpu, result=result, nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift, at=at)
         if self.observe is not None:
-            self.observe(rec, outputs.items)
+            self.observe(rec, outputs.items, p)
 
     def _rewrite_shadow(self, how: str, outputs: Outputs, compared: list[Compared]) -> None:
         """``shadow.attribute``'s ablation worlds, before the mirror keeps a call's shadows: "device" gives each

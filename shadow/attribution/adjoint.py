@@ -6,9 +6,11 @@ for free under ShadowMode: autograd's backward computes dT/dy_i on the device, a
 op in float64 on shadow values, so the shadow of the gradient entering y_i's autograd node is the float64
 adjoint at the float64 point. A hook before that node runs reads it; no gradient the user sees changes.
 
-Each output's error is split in two: ``removable`` = y - round(r), what the kernel adds beyond rounding the
-float64 result r to the output's dtype (what making the op exact removes, as the ablation method does), and
-``rounding`` = round(r) - r, which no kernel in that dtype can avoid.
+The errors weighted are the caller's (``Adjoints(errors=...)``, in channels). ``shadow.attribute`` splits the
+device's error in two: ``removable`` = y - round(r), what the kernel adds beyond rounding the float64 result r to
+the output's dtype (what making the op exact removes, as the ablation method does), and ``rounding`` =
+round(r) - r, which no kernel in that dtype can avoid. ``shadow.audit`` weights the error each candidate
+precision would make on the float64 inputs.
 
 Covered: the ops between the inputs and the target that autograd differentiates (forward ops whose outputs have
 an autograd node). Not covered: ops under no_grad or on tensors that need no gradient, backward and optimizer
@@ -17,7 +19,6 @@ ops (a loss computed before them does not depend on them); their share falls int
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any, Callable
 
@@ -28,48 +29,55 @@ from ..records import Phase, Record
 _no_dispatch = torch._C._DisableTorchDispatch
 
 
-@dataclasses.dataclass
-class Contribution:
-    """One forward call's first-order effect on the target: sum(adjoint * error), split as above."""
+Errors = Callable[[Record, Any, Any], "tuple[torch.Tensor, ...] | None"]  # (record, output, Prepared) -> channels
 
-    removable: float = 0.0
-    rounding: float = 0.0
-    reached: bool = False  # an adjoint arrived (the call is on the target's autograd path)
+
+def split_rounding(rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device's error on one output in two channels: removable (y - round(r)) and rounding (round(r) - r)."""
+    d, r = o.device, o.reference
+    if not isinstance(r, torch.Tensor) or r.shape != d.shape:
+        return None
+    y = d.detach().to("cpu", torch.float64)
+    rounded = correctly_rounded(y, r, d.dtype)
+    return y - rounded, rounded - r
 
 
 class Adjoints:
     """Hooks into one ShadowMode run: ``observe`` (the engine's, per judged call) keeps each forward output's
-    errors; ``bind`` (the call-site tracker's, once the outputs have autograd nodes) hooks those nodes;
-    ``contributions`` fills in as backward runs."""
+    errors, in the channels ``errors`` gives (``split_rounding``: removable and rounding); ``bind`` (the
+    call-site tracker's, once the outputs have autograd nodes) hooks those nodes; ``contributions`` (record
+    index -> one sum(adjoint * error) per channel) fills in as backward runs."""
 
-    def __init__(self, shadow_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, shadow_of: Callable[[torch.Tensor], torch.Tensor], errors: Errors = split_rounding) -> None:
         self._shadow_of = shadow_of
-        self._errors: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # index -> id(out) -> errors
+        self._errors_of = errors
+        self._errors: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}  # index -> id(out) -> errors
+        self.records: dict[int, Record] = {}  # the records of the calls with errors kept (the report may keep none)
         self._scalars: list[tuple[weakref.ref, int]] = []  # one-element outputs: (the tensor, its record index)
         self.seeds: dict[int, float] = {}  # record index -> the float64 adjoint of its one-element output
-        self.contributions: dict[int, Contribution] = {}
+        self.contributions: dict[int, list[float]] = {}
         self.missed = 0  # adjoints that could not be read (a gradient made where shadow could not see it)
         self._handles: list = []
 
-    def observe(self, rec: Record, outputs: list) -> None:
+    def observe(self, rec: Record, outputs: list, p: Any) -> None:
         if rec.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
             return
         errors = {}
         with _no_dispatch():
             for o in outputs:
-                d, r = o.device, o.reference
                 # inside the dispatch no output has autograd metadata yet: ``bind`` drops those that get no node
-                if not isinstance(d, torch.Tensor) or not isinstance(r, torch.Tensor) or not d.is_floating_point() \
-                        or r.shape != d.shape:
-                    continue
-                y = d.detach().to("cpu", torch.float64)
-                rounded = correctly_rounded(y, r, d.dtype)
-                errors[id(d)] = (y - rounded, rounded - r)
+                if isinstance(o.device, torch.Tensor) and o.device.is_floating_point():
+                    e = self._errors_of(rec, o, p)
+                    if e is not None:
+                        errors[id(o.device)] = e
         if errors:
             self._errors[rec.index] = errors
+            self.records[rec.index] = rec
 
     def bind(self, index: int, outputs: list[torch.Tensor]) -> None:
         errors = self._errors.pop(index, None)
+        if errors is not None and not outputs:
+            self.records.pop(index, None)
         for t in outputs:
             if t.numel() == 1:
                 self._scalars.append((weakref.ref(t), index))
@@ -78,7 +86,7 @@ class Adjoints:
                 continue
             self._handles.append(t.grad_fn.register_prehook(self._hook(index, t.output_nr, e, t.numel() == 1)))
 
-    def _hook(self, index: int, nr: int, errors: tuple[torch.Tensor, torch.Tensor] | None, scalar: bool) -> Any:
+    def _hook(self, index: int, nr: int, errors: tuple[torch.Tensor, ...] | None, scalar: bool) -> Any:
         def hook(grad_outputs: tuple) -> None:
             g = grad_outputs[nr] if nr < len(grad_outputs) else None
             if g is None:
@@ -92,10 +100,9 @@ class Adjoints:
                 if scalar:
                     self.seeds[index] = float(adj.reshape(-1)[0])
                 if errors is not None and adj.shape == errors[0].shape:
-                    c = self.contributions.setdefault(index, Contribution())
-                    c.removable += float(torch.sum(adj * errors[0]))
-                    c.rounding += float(torch.sum(adj * errors[1]))
-                    c.reached = True
+                    sums = self.contributions.setdefault(index, [0.0] * len(errors))
+                    for i, e in enumerate(errors):
+                        sums[i] += float(torch.sum(adj * e))
 
         return hook
 

@@ -39,7 +39,7 @@ from ..errors import ShadowOptionError
 from ..modes.shadow import ShadowMode
 from ..records import Phase, Record
 from ..report import Report
-from .adjoint import Adjoints, leaves
+from .adjoint import Adjoints, Errors, leaves, split_rounding
 from .state import StepState
 
 # attribute's own arithmetic reaches no mode: not its ShadowMode's, nor an emulated device's or a fault's around it
@@ -125,10 +125,37 @@ def attribute(step: Callable[[], Any], *, by: str = "op", method: str = "linear"
 
 
 # --- linear ---
-def _linear(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
+@dataclasses.dataclass
+class AdjointPass:
+    """One run with each forward call's error weighted by the float64 adjoint of the target."""
+
+    report: Report
+    values: list[torch.Tensor]  # the target tensors
+    t_dev: torch.Tensor  # the target's device values, flattened (float64)
+    t_64: torch.Tensor  # ... and its shadow
+    contributions: dict[int, list[float]]  # record index -> sum(adjoint * error), per channel of the errors
+    records: dict[int, Record]  # record index -> the record of each call with a contribution
+    factor: float  # contribution * factor = the change it causes in <along, T> (``adjoint_pass``)
+
+
+def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
+                 along: Callable[[torch.Tensor], torch.Tensor | None], errors: Errors = split_rounding,
+                 also: Callable[..., None] | None = None,
+                 ready: Callable[[ShadowMode], None] | None = None) -> AdjointPass:
+    """Run ``step`` under a ShadowMode (``options``) collecting each forward call's ``errors`` weighted by the
+    float64 adjoint of <along(D), T>, where D is the target's drift (``along`` returns None: no weighting needed);
+    ``also``: another observer of every judged call; ``ready``: called with the ShadowMode before the step."""
     sm = ShadowMode(**options)
-    adjoints = Adjoints(sm.shadow_of)
-    sm._engine.observe = adjoints.observe
+    if ready is not None:
+        ready(sm)
+    adjoints = Adjoints(sm.shadow_of, errors)
+
+    def observe(rec: Record, outputs: list, p: Any) -> None:
+        adjoints.observe(rec, outputs, p)
+        if also is not None:
+            also(rec, outputs, p)
+
+    sm._engine.observe = observe
     sm._attr.callsites.on_bind = adjoints.bind
     try:
         with sm:
@@ -137,22 +164,26 @@ def _linear(step: Callable[[], Any], by: str, target: Any, options: dict) -> Att
             values = _targets(out, target)
             t_dev, t_64 = _read(values, sm)
             with _own():
-                d = t_dev - t_64
-            weights = _linear_weights(values, d, adjoints, sm)
+                direction = along(t_dev - t_64)
+            factor = _linear_factor(values, adjoints, sm, direction) if direction is not None else 0.0
     finally:
         adjoints.close()
-    rep = sm.report
+    return AdjointPass(sm.report, values, t_dev, t_64, adjoints.contributions, adjoints.records, factor)
+
+
+def _linear(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
+    run = adjoint_pass(step, target, options, lambda d: d / float(torch.dot(d, d)) if bool(d.any()) else None)
+    with _own():
+        d = run.t_dev - run.t_64
     dd = _dot(d, d)
     per_key: dict[str, float] = {}
     rounding = 0.0
-    for rec in rep.records:
-        c = adjoints.contributions.get(rec.index)
-        if c is None:
-            continue
-        key = _key(rec, by)
-        per_key[key] = per_key.get(key, 0.0) + c.removable * weights
-        rounding += c.rounding * weights
-    return _result("linear", by, rep, t_64, d, dd, per_key, rounding if dd else 0.0, ("forward", "other"), 1)
+    for index, c in run.contributions.items():
+        key = _key(run.records[index], by)
+        per_key[key] = per_key.get(key, 0.0) + c[0] * run.factor
+        rounding += c[1] * run.factor
+    return _result("linear", by, run.report, run.t_64, d, dd, per_key, rounding if dd else 0.0, ("forward", "other"),
+                   1)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -160,50 +191,48 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(torch.dot(a, b))
 
 
-def _linear_weights(values: list[torch.Tensor], d: torch.Tensor, adjoints: Adjoints, sm: ShadowMode) -> float:
-    """The factor that turns sum(adjoint * error) into a share of <D, D>.
+def _linear_factor(values: list[torch.Tensor], adjoints: Adjoints, sm: ShadowMode, along: torch.Tensor) -> float:
+    """The factor that turns sum(adjoint * error) into the change of <along, T> (along: float64, T's size).
 
     The step's own backward (``loss.backward()``) left adjoints of the loss times its seed (a GradScaler's scale):
-    for a one-element target, divide by that seed and multiply by D / <D, D>. Without a backward through the
-    target, one is run here on the projection <w, T> with w = D / <D, D> (``torch.autograd.grad``, into no
-    ``.grad``), so the sums are shares directly."""
-    dd = _dot(d, d)
-    if dd == 0.0:
-        return 0.0
+    for a one-element target, divide by that seed. Without a backward through the target, one is run here on
+    <along, T> (``torch.autograd.grad``, into no ``.grad``), along rounded to the target's dtype and the sums
+    scaled back."""
     single = len(values) == 1 and values[0].numel() == 1
     index = adjoints.index_of(values[0]) if single else None
     if index is not None and index in adjoints.seeds:  # the step's backward went through the target
         seed = adjoints.seeds[index]
         if seed == 0.0:
-            raise ShadowOptionError("attribute(method='linear'): the step's backward reached the target with a "
-                                    "zero gradient: call backward on the target itself (loss.backward())")
+            raise ShadowOptionError("linear attribution: the step's backward reached the target with a zero "
+                                    "gradient: call backward on the target itself (loss.backward())")
         with _own():
-            return float(d[0]) / (seed * dd)
+            return float(along[0]) / seed
     if adjoints.contributions:
         raise ShadowOptionError(
-            "attribute(method='linear'): the step ran a backward that did not start from the target (or the target "
-            f"has {sum(v.numel() for v in values)} elements): the adjoints it left are of another function. Return "
+            "linear attribution: the step ran a backward that did not start from the target (or the target has "
+            f"{sum(v.numel() for v in values)} elements): the adjoints it left are of another function. Return "
             "the loss the step calls backward on, or use method='ablation' for other targets")
     if any(v.grad_fn is None for v in values):
         raise ShadowOptionError(
-            "attribute(method='linear'): the target is not computed by autograd (a parameter after an optimizer "
-            "step, or a tensor computed without gradients): the linear method weights forward errors by the "
-            "target's derivatives; use method='ablation', which covers backward and optimizer calls")
+            "linear attribution: the target is not computed by autograd (a parameter after an optimizer step, or "
+            "a tensor computed without gradients): the linear method weights forward errors by the target's "
+            "derivatives; use method='ablation', which covers backward and optimizer calls")
     inputs = [leaf for v in values for leaf in leaves(v)]
     if not inputs:
         return 0.0
     seeds, applied, offset = [], 0.0, 0
     with _own():
         for v in values:
-            part = d[offset:offset + v.numel()]
-            seed = (part / dd).reshape(v.shape).to(v.dtype)
-            # the seeds are rounded to the target's dtype: the sums are shares of <seeds, D>, scaled back to 1
+            part = along[offset:offset + v.numel()]
+            seed = part.reshape(v.shape).to(v.dtype)
+            # the seeds are rounded to the target's dtype: the sums are of <seeds, dT>, scaled back to <along, dT>
             applied += float(torch.dot(seed.to(torch.float64).reshape(-1), part))
             seeds.append(seed.to(v.device))
             offset += v.numel()
+        norm2 = float(torch.dot(along, along))
     sm._engine.adopt(seeds)  # made where no mode sees them: their shadows are their own (exact) values
     torch.autograd.grad(values, inputs, grad_outputs=seeds, allow_unused=True)  # under ShadowMode: shadowed
-    return 1.0 / applied if applied else 0.0
+    return norm2 / applied if applied else 0.0
 
 
 # --- ablation ---

@@ -1,0 +1,293 @@
+"""``shadow.audit``: which parts of a model (modules or op classes) can run in bf16, fp16, TF32 or FP8.
+
+For every part and candidate precision: the estimated relative change of the target (the loss) if that part alone
+ran in that precision and everything else in float64. One pass, for every precision at once: the step runs as
+usual under a ShadowMode, each forward call is computed again by each precision's emulated device
+(``shadow.modes``) on its float64 inputs (``_Emulated``), and that error is weighted by the float64 adjoint of
+the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The ``verify`` most
+sensitive parts per precision are then run again one at a time, only that part emulated on the device
+(``shadow.modes.Scoped``), and measured in a float64 world where only that part's calls carry their error
+(``Engine._rewrite_shadow``). Range risks come from the same first run (``shadow.audit.ranges``).
+``AuditReport.plan(tolerance)`` picks a precision per part (``shadow.audit.plan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..attribution.share import adjoint_pass, _key_of, _own, _read, _targets
+from ..attribution.state import StepState
+from ..errors import ShadowOptionError
+from ..modes.emulate import BF16Mode, FP8Mode, FP16Mode, TF32Mode
+from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format, round_to
+from ..modes.select import Scoped
+from ..modes.shadow import ShadowMode
+from ..plan import flat_returns
+from ..records import Phase, Record
+from ..rules import run_chain
+from .plan import Plan, choose
+from .ranges import Ranges
+
+BY = ("module", "op")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A candidate precision: its emulated device, its format (range risks), whether tensors are scaled into it
+    per tensor (FP8: no overflow), and its mantissa bits (the plan prefers fewer)."""
+
+    name: str
+    mode: Callable[[], Any]
+    format: Format
+    scaled: bool
+    bits: int
+    stores: bool  # results are stored in the format too (bf16, fp16), not only operands rounded (tf32, fp8)
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp8": Precision("fp8", FP8Mode, E4M3, True, 3, False),
+    "bf16": Precision("bf16", BF16Mode, BF16, False, 7, True),
+    "fp16": Precision("fp16", FP16Mode, FP16, False, 10, True),
+    "tf32": Precision("tf32", TF32Mode, TF32, False, 10, False),
+}
+# the plan tries cheaper precisions first: fewer mantissa bits, then the narrower range (fp16 before tf32)
+ORDER = ("fp8", "bf16", "fp16", "tf32")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AuditRow:
+    """One part under one precision."""
+
+    key: str  # a module path ("Net.fc1") or an op overload ("aten.gelu.default")
+    precision: str
+    estimate: float  # the estimated relative change of the target (inf: the part overflows to inf/NaN there)
+    verified: float | None  # the measured change with only this part in this precision (None: not re-run)
+    overflow: bool  # a value of the part (activation or gradient) beyond the format's largest
+    underflow: float  # the share of its nonzero values below the format's smallest normal
+    applies: bool = True  # the precision changes some call of the part (TF32, FP8: matmuls only)
+
+    @property
+    def sensitivity(self) -> float:
+        """What the plan and the ranking go by: the measured change where there is one, else the estimate."""
+        return math.inf if self.overflow else (self.verified if self.verified is not None else self.estimate)
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """What ``audit`` found: ``rows`` for every part and precision; ``target`` (the target's float64 value),
+    ``by``, ``runs``."""
+
+    by: str
+    precisions: tuple[str, ...]
+    rows: list[AuditRow]
+    target: float
+    runs: int
+
+    def ranking(self, precision: str) -> list[str]:
+        """The parts, most sensitive to ``precision`` first."""
+        if precision not in self.precisions:
+            raise ShadowOptionError(f"ranking({precision!r}): this audit has {', '.join(map(repr, self.precisions))}")
+        rows = [r for r in self.rows if r.precision == precision]
+        return [r.key for r in sorted(rows, key=lambda r: (-r.sensitivity, r.key))]
+
+    def row(self, key: str, precision: str) -> AuditRow:
+        return next(r for r in self.rows if r.key == key and r.precision == precision)
+
+    def plan(self, tolerance: float) -> Plan:
+        """The lowest precision per part such that the changes of the parts moved add up to at most half of
+        ``tolerance`` (a relative change of the target; half: parts moved together interact), never a precision
+        a part overflows, never the calls outside any module (the loss, the optimizer)."""
+        return choose(self, tolerance)
+
+    def table(self, top: int | None = None) -> str:
+        """Parts (most sensitive to the first precision first) by precision: the estimated relative change of the
+        target, the measured one in brackets where verified, ``O`` where it overflows the format, ``U`` where
+        over 1 % of its values fall below the format's smallest normal."""
+        keys = self.ranking(self.precisions[0])
+        keys = keys if top is None else keys[:top]
+        name_w = max([len(self.by)] + [len(k or "(none)") for k in keys])
+        cell_w = 22
+        head = f"{self.by:<{name_w}}" + "".join(f"  {p:>{cell_w}}" for p in self.precisions)
+        lines = [head, "-" * len(head)]
+        for key in keys:
+            cells = []
+            for p in self.precisions:
+                r = self.row(key, p)
+                text = _num(r.estimate) + (f" ({_num(r.verified)})" if r.verified is not None else "")
+                flags = ("O" if r.overflow else "") + ("U" if r.underflow > 0.01 else "")
+                cells.append(f"  {(text + (' ' + flags if flags else '')):>{cell_w}}")
+            lines.append(f"{key or '(none)':<{name_w}}" + "".join(cells))
+        lines.append(f"relative change of the target (float64 value {self.target:.6g}) if the part alone ran in the "
+                     f"precision; (measured); O overflow, U >1% below the smallest normal; {self.runs} runs")
+        return "\n".join(lines)
+
+
+def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp16", "tf32"), by: str = "module",
+          target: Any = None, verify: int = 5, **shadow_options: Any) -> AuditReport:
+    """How much each part (``by="module"`` or ``"op"``) would move ``step``'s target in each precision.
+
+    ``step``: a zero-argument callable running the computation and returning the target (the loss: a one-element
+    tensor); ``target``: something else to read after the step (a one-element tensor, or a callable returning
+    one). ``precisions``: any of "fp8", "bf16", "fp16", "tf32". ``verify``: how many of the most sensitive parts
+    per precision are re-run alone. ``shadow_options``: for the first (unemulated) run. The user's objects are
+    left as after one ordinary step.
+
+    >>> aud = shadow.audit(lambda: train_step(model, batch), precisions=("bf16", "fp16"))   # doctest: +SKIP
+    >>> print(aud.table()); plan = aud.plan(tolerance=1e-3)                                 # doctest: +SKIP
+    """
+    if by not in BY:
+        raise ShadowOptionError(f"audit(by={by!r}): expected one of {', '.join(map(repr, BY))}")
+    unknown = [p for p in precisions if p not in PRECISIONS] if isinstance(precisions, (tuple, list)) else [precisions]
+    if unknown or not precisions:
+        raise ShadowOptionError(f"audit(precisions={precisions!r}): expected a tuple of {', '.join(map(repr, ORDER))}")
+    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+        raise ShadowOptionError(f"audit(verify={verify!r}): expected an int >= 0 (parts re-run per precision)")
+    if not callable(step):
+        raise ShadowOptionError(f"audit(step={step!r}): expected a zero-argument callable that runs the "
+                                "computation and returns the target (the loss)")
+    precisions = tuple(precisions)
+    key = (lambda rec: rec.module) if by == "module" else (lambda rec: rec.op)
+    state = StepState()
+    ranges = Ranges(key, {p: (PRECISIONS[p].format, PRECISIONS[p].scaled) for p in precisions})
+    emulated = _Emulated(precisions, key)
+    with state.learning():
+        run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=ranges.observe,
+                           ready=emulated.attach)
+    after = state.save()
+    if run.t_64.numel() != 1:
+        raise ShadowOptionError(f"audit: the target has {run.t_64.numel()} elements: the audit measures the relative "
+                                "change of one number (the loss); pass target= a one-element tensor")
+    truth = float(run.t_64[0])
+    scale = abs(truth) if truth else 1.0
+    runs = 1
+    rows: list[AuditRow] = []
+    try:
+        for i, name in enumerate(precisions):
+            sums: dict[str, float] = {}
+            for index, c in run.contributions.items():
+                k = key(run.records[index])
+                sums[k] = sums.get(k, 0.0) + c[i] * run.factor
+            applies = {key(run.records[index]) for index in emulated.claimed[name] if index in run.records}
+            found = {k: (abs(v) / scale if math.isfinite(v) else math.inf) for k, v in sums.items()}
+            parts = sorted(set(found) | set(ranges.parts))
+            fmt, scaled = PRECISIONS[name].format, PRECISIONS[name].scaled
+            suspects = sorted((k for k in parts if k in applies), key=lambda k: (-found.get(k, 0.0), k))[:verify]
+            for k in parts:
+                r = ranges.parts.get(k)
+                verified = _verified(step, target, state, PRECISIONS[name], by, k, truth) if k in suspects else None
+                runs += k in suspects
+                rows.append(AuditRow(k, name, found.get(k, 0.0), verified, r is not None and r.overflow(fmt, scaled),
+                                     r.underflow(fmt) if r is not None else 0.0, k in applies))
+    finally:
+        state.restore(after)
+    return AuditReport(by, precisions, rows, truth, runs)
+
+
+class _Emulated:
+    """The errors ``Adjoints`` weights for the audit, one channel per candidate precision: what a forward call
+    would compute in that precision on its float64 inputs (the shadow inputs in the device's dtype, run by the
+    precision's emulated device) minus its float64 result. Measured on the float64 inputs, as if the part alone
+    ran in that precision: on inputs an emulated upstream had moved, every rounding would be drawn again, and the
+    estimate would be of another realization than the part's own. For formats results are stored in (bf16,
+    fp16), an input another call of the same part produced is already in the format: its rounding is that
+    call's, so the reference rounds it too rather than count it twice. Calls that write their inputs are left
+    out (overwritten by then). ``claimed``: per precision, the record indices its device computes differently."""
+
+    def __init__(self, precisions: tuple[str, ...], key: Callable[[Record], str]) -> None:
+        self.precisions = precisions
+        self.modes = [PRECISIONS[p].mode() for p in precisions]
+        self.claimed: dict[str, set[int]] = {p: set() for p in precisions}
+        self._key = key
+        self._mirror = None
+        self._producer: dict[int, str] = {}  # shadow storage -> the part whose call wrote it last
+        self._last: tuple[int, list | None] = (-1, None)
+
+    def attach(self, sm: ShadowMode) -> None:
+        self._mirror = sm._engine.mirror
+
+    def __call__(self, rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, ...] | None:
+        errors = self._errors(rec, o, p)
+        e = self._mirror._entries.get(o.device.untyped_storage()._cdata) if self._mirror is not None else None
+        if e is not None:
+            self._producer[e.sptr] = self._key(rec)
+        return errors
+
+    def _errors(self, rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, ...] | None:
+        if o.written or o.slot is None or p.plan.writes or not isinstance(o.shadow, torch.Tensor):
+            return None
+        outs = self._emulated(rec, p)
+        if outs is None:
+            return None
+        errors = []
+        for out, ref in outs:
+            if out is None:  # the precision leaves this call as it is (no error of its own)
+                errors.append(torch.zeros_like(o.shadow))
+                continue
+            flat = [t for _, t in flat_returns(p.plan, out)]
+            y = flat[o.slot] if o.slot < len(flat) else None
+            r = o.shadow if ref is None else [t for _, t in flat_returns(p.plan, ref)][o.slot]
+            if not isinstance(y, torch.Tensor) or y.shape != o.shadow.shape or not y.is_floating_point():
+                return None
+            errors.append(y.to(torch.float64) - r)
+        return tuple(errors)
+
+    def _emulated(self, rec: Record, p: Any) -> list | None:
+        """Per precision, (the emulated results, the float64 reference where it is not the shadow's)."""
+        if self._last[0] == rec.index:  # one computation per call, whatever its number of outputs
+            return self._last[1]
+        dtype = p.inputs[0].dtype if p.inputs else None
+        result = None
+        if dtype is not None and dtype != torch.float64 and dtype.is_floating_point:
+            plan, part = p.plan, self._key(rec)
+            args, kwargs = plan.map_tensors(p.shadow.args, p.shadow.kwargs,
+                                            lambda t, _: t.to(dtype) if t.is_floating_point() else t)
+            inner = [self._producer.get(t.untyped_storage()._cdata) == part
+                     for _, t in plan.tensors(p.shadow.args, p.shadow.kwargs)]
+            result = []
+            for name, mode in zip(self.precisions, self.modes):
+                chain = mode.table.chain(plan.func)
+                out = run_chain(chain, plan, args, kwargs, mode.options) if chain else NotImplemented
+                if out is NotImplemented:  # unclaimed (data movement, or not a matmul for tf32 and fp8)
+                    result.append((None, None))
+                    continue
+                self.claimed[name].add(rec.index)
+                ref = None
+                if PRECISIONS[name].stores and any(inner):
+                    flags = iter(inner)
+                    fmt = PRECISIONS[name].format
+                    a, kw = plan.map_tensors(p.shadow.args, p.shadow.kwargs,
+                                             lambda t, _: round_to(t, fmt) if next(flags) and t.is_floating_point()
+                                             else t)
+                    ref = plan.func(*a, **kw)
+                result.append((out, ref))
+        self._last = (rec.index, result)
+        return result
+
+
+def _verified(step: Callable[[], Any], target: Any, state: StepState, precision: Precision, by: str, part: str,
+              truth: float) -> float:
+    """The step again with only ``part`` emulated, measured in a float64 world where only the part's calls make
+    their (emulated) error: |T_world - T_64| / |T_64|."""
+    state.restore(state.start)
+    scope = dict(module=part, innermost=True) if by == "module" else dict(op=part)
+    sm = ShadowMode(spot_checks="off", budgets=False, drift=False, max_records=0)
+    sm._engine.world = (lambda op, m, ph, s: "device" if _key_of(by, op, m, s) == part and ph is not Phase.OPTIMIZER
+                        else None)
+    with Scoped(precision.mode(), **scope), sm:
+        values = _targets(step(), target)
+        t_world = _read(values, sm)[1]
+    with _own():
+        change = float(t_world[0]) - truth
+    if not math.isfinite(change):
+        return math.inf
+    return abs(change) / (abs(truth) if truth else 1.0)
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else ("inf" if math.isinf(x) else f"{x:.2e}")
