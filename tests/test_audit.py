@@ -4,6 +4,10 @@ runs, range risks), and the precision plan it builds, applied and checked."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +174,13 @@ def test_bad_arguments_say_what_is_expected():
     net = nn.Linear(4, 3)
     with pytest.raises(ShadowOptionError, match="the target has 6 elements"):
         shadow.audit(lambda: net(torch.randn(2, 4)))
+
+
+@pytest.mark.slow
+def test_the_example_answers_which_layers_can_move_to_bf16():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "examples/which_layers_bf16.py"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert "precision plan by module" in proc.stdout and "within the tolerance" in proc.stdout

@@ -105,8 +105,9 @@ class AuditReport:
 
     def table(self, top: int | None = None) -> str:
         """Parts (most sensitive to the first precision first) by precision: the estimated relative change of the
-        target, the measured one in brackets where verified, ``O`` where it overflows the format, ``U`` where
-        over 1 % of its values fall below the format's smallest normal."""
+        target, the measured one in brackets where verified, ``-`` where the precision changes none of the part's
+        calls (TF32 and FP8 touch matmuls only), ``O`` where it overflows the format, ``U`` where over 1 % of its
+        values fall below the format's smallest normal."""
         keys = self.ranking(self.precisions[0])
         keys = keys if top is None else keys[:top]
         name_w = max([len(self.by)] + [len(k or "(none)") for k in keys])
@@ -117,12 +118,13 @@ class AuditReport:
             cells = []
             for p in self.precisions:
                 r = self.row(key, p)
-                text = _num(r.estimate) + (f" ({_num(r.verified)})" if r.verified is not None else "")
+                text = "-" if not r.applies else \
+                    _num(r.estimate) + (f" ({_num(r.verified)})" if r.verified is not None else "")
                 flags = ("O" if r.overflow else "") + ("U" if r.underflow > 0.01 else "")
                 cells.append(f"  {(text + (' ' + flags if flags else '')):>{cell_w}}")
             lines.append(f"{key or '(none)':<{name_w}}" + "".join(cells))
         lines.append(f"relative change of the target (float64 value {self.target:.6g}) if the part alone ran in the "
-                     f"precision; (measured); O overflow, U >1% below the smallest normal; {self.runs} runs")
+                     f"precision; (measured); - not touched; O overflow, U >1% below the smallest normal; {self.runs} runs")
         return "\n".join(lines)
 
 
