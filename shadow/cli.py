@@ -251,6 +251,7 @@ def _run(args: argparse.Namespace) -> int:
         raise _Failure(f"{args.script}: {why}; give the path of a Python script: shadow run [OPTIONS] SCRIPT [ARGS...]")
     if problem := _unwritable(args.output):
         raise _Failure(f"-o {args.output}: {problem}; give a writable path")
+    output = os.path.abspath(args.output)  # where the user meant, even if the script changes directory
     sm = ShadowMode(local=args.local, drift=args.drift, follow=args.follow, max_records=args.max_records,
                     spot_checks=args.spot_checks, budgets=args.budgets, compare_cpu=args.compare_cpu,
                     callsites=args.callsites)
@@ -261,7 +262,7 @@ def _run(args: argparse.Namespace) -> int:
     rep = sm.report
     rep.meta["run"] = {"argv": [args.script, *args.args], "emulate": args.emulate, "skip_steps": args.skip_steps,
                        "steps": args.steps, "optimizer_steps": window.done, "exit_status": status}
-    rep.save(args.output)
+    rep.save(output)
     print(f"shadow: report written to {args.output}: {rep.coverage.calls} calls shadowed "
           f"({_shadowed(rep.meta['run'])}); read it with: shadow show {args.output}", file=sys.stderr)
     if not window.opened:

@@ -62,17 +62,21 @@ def test_run_writes_the_report_of_the_same_code_wrapped_in_shadowmode(runs, monk
                    "optimizer_steps": 2, "exit_status": 0}
 
 
-def test_run_gives_the_script_its_argv_main_and_folder(tmp_path, capsys):
+def test_run_gives_the_script_its_argv_main_and_folder(tmp_path, capsys, monkeypatch):
     (tmp_path / "helper.py").write_text("VALUE = 42\n")
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""\
         import sys
         import helper                      # from the script's own folder
+        import os
         import torch
         print("argv", sys.argv, __name__, helper.VALUE, float((torch.ones(3) * 2).sum()))
+        os.chdir(os.path.dirname(helper.__file__) + "/sub")
         sys.exit(3)
     """))
-    assert main(["run", "-o", str(tmp_path / "r.json"), str(script), "--flag", "x"]) == 3
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "-o", "r.json", str(script), "--flag", "x"]) == 3   # -o relative to where shadow started
     assert f"argv {[str(script), '--flag', 'x']} __main__ 42 6.0" in capsys.readouterr().out
     rep = load_report(tmp_path / "r.json")
     assert rep.meta["run"]["exit_status"] == 3 and rep.by_op["aten.mul.Tensor"].calls == 1
