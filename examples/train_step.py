@@ -2,7 +2,7 @@
 
     python examples/train_step.py
 
-Prints the per-op table (worst local error first), the five op calls with the largest local error,
+Prints the per-op table (worst budget use first), the five op calls with the largest local error,
 the loss as the device computed it beside its float64 shadow, and how far each parameter moved away
 from its shadow during the step.
 """
