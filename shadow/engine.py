@@ -148,6 +148,7 @@ class Engine:
         # given (op, module, phase, call site) (_rewrite_shadow); and a look at each judged call's record and outputs
         self.world: Callable[[str, str, Any, str], str | None] | None = None
         self.observe: Callable[[Record, list[Output], Prepared], None] | None = None
+        self.trajectory: Any = None  # shadow.trajectory.Trajectory: the loss and parameters per optimizer step
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
@@ -623,6 +624,8 @@ class Engine:
                          v.skipped, site, inputs_drift)
         self._index += 1
         self.report.add(rec)
+        if self.trajectory is not None:
+            self.trajectory.seen(rec, result)
         return rec
 
     # --- queries ---

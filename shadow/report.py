@@ -14,12 +14,14 @@ from typing import Any, Iterable, Iterator
 from .errors import ReportFormatError
 from .metrics import ErrorStats
 from .records import Event, Kind, Phase, Record, numbers
+from .trajectory import StepDrift
 
 FORMAT = "shadow-report"
-VERSION = 5  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
-# 5: call sites, input drift, aggregates by (op, module, call site, phase) ("cells")
-READS = (1, 2, 3, 4, 5)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget
-# family "kind" and over_budget_calls "over_budget", 4 had no call sites (its aggregates: by op and module only)
+VERSION = 6  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
+# 5: call sites, input drift, aggregates by (op, module, call site, phase) ("cells"); 6: the trajectory
+READS = (1, 2, 3, 4, 5, 6)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget
+# family "kind" and over_budget_calls "over_budget", 4 had no call sites (its aggregates: by op and module only),
+# 5 no trajectory
 VIEWS = ("op", "module", "callsite", "phase")  # the ways aggregates are grouped (Report.view)
 _CELL = {"op": 0, "module": 1, "callsite": 2, "phase": 3}  # a view's position in a cell's key
 
@@ -147,6 +149,7 @@ class Report:
         self.dropped_records = 0
         self.coverage = Coverage()
         self.events: list[Event] = []
+        self.trajectory: list[StepDrift] = []  # per optimizer step: the loss's and the parameters' drift
         # every call lands in one cell, keyed (op, module, call site, phase); the views merge cells on demand
         self._cells: dict[tuple[str, str, str, str], Aggregate] = {}
         self._views: dict[tuple[str, str | None], dict[str, Aggregate]] = {}  # merged views, until the next add
@@ -382,6 +385,7 @@ class Report:
             "by_module": {k: dataclasses.asdict(v) for k, v in self.by_module.items()},
             "coverage": dataclasses.asdict(self.coverage),
             "events": [dataclasses.asdict(e) for e in self.events],
+            "trajectory": [dataclasses.asdict(t) for t in self.trajectory],
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -391,7 +395,7 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict) -> Report:
-        """A report from its saved form (``to_dict``); versions 1 to 5 load (later versions only added
+        """A report from its saved form (``to_dict``); versions 1 to 6 load (later versions only added
         fields, and the two renamed in version 4 are read under their old names; before version 5, aggregates
         exist by op and by module only). Anything malformed raises
         ``ReportFormatError`` naming what is wrong and where."""
@@ -430,6 +434,9 @@ class Report:
         for i, e in enumerate(_list(d, "events")):
             with _reading(f"events[{i}]"):
                 rep.events.append(Event(**e))
+        for i, t in enumerate(_list(d, "trajectory") if version >= 6 else ()):
+            with _reading(f"trajectory[{i}]"):
+                rep.trajectory.append(StepDrift(**numbers(t)))
         return rep
 
 

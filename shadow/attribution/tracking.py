@@ -135,8 +135,7 @@ class _StepNames:
     (a constant such as a new step counter) is charged to the common prefix of the stepping optimizers'
     parameters."""
 
-    def __init__(self, tracker: _Tracker) -> None:
-        self._tracker = tracker
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -147,13 +146,9 @@ class _StepNames:
         self._state_sizes: dict[int, int] = {}  # id(parameter) -> entries of its state when last read
         self._fallback = ""
 
-    def begin(self, opt: torch.optim.Optimizer) -> None:
+    def begin(self, opt: torch.optim.Optimizer, by_param: dict[int, str]) -> None:
+        """``by_param``: id(parameter) -> its dotted name (``Attribution.parameter_names``)."""
         self.optimizers.append(opt)
-        known = getattr(self._tracker, "_known_modules", {})  # module -> dotted name, from forward passes
-        by_param: dict[int, str] = {}
-        for mod, fqn in list(known.items()):
-            for pname, p in mod.named_parameters(recurse=False):
-                by_param.setdefault(id(p), f"{fqn}.{pname}")
         for group in opt.param_groups:
             for p in group["params"]:
                 name = by_param.get(id(p))
@@ -297,14 +292,14 @@ class Attribution:
                  callsites: bool = True) -> None:
         self._tracker = _Tracker()
         self._tracker.on_compiled = on_compiled
-        self._steps = _StepNames(self._tracker)
+        self._steps = _StepNames()
         self._handles: list = []
         self.callsites = _Callsites() if callsites else None
 
     def __enter__(self) -> Attribution:
         self._tracker.__enter__()
         self._handles = [
-            register_optimizer_step_pre_hook(lambda opt, args, kwargs: self._steps.begin(opt)),
+            register_optimizer_step_pre_hook(lambda opt, args, kwargs: self._steps.begin(opt, self.parameter_names())),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: self._steps.end(opt)),
         ]
         return self
@@ -316,6 +311,14 @@ class Attribution:
             h.remove()
         self._handles = []
         self._tracker.__exit__(*exc)
+
+    def parameter_names(self) -> dict[int, str]:
+        """id(parameter) -> its dotted name ("Net.fc1.weight"), for the modules that ran a forward."""
+        names: dict[int, str] = {}
+        for mod, fqn in list(getattr(self._tracker, "_known_modules", {}).items()):
+            for pname, p in mod.named_parameters(recurse=False):
+                names.setdefault(id(p), f"{fqn}.{pname}")
+        return names
 
     def where(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any,
               index: int = -1) -> tuple[str, Phase, str]:

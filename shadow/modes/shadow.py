@@ -6,6 +6,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -15,6 +16,7 @@ from ..engine import Engine
 from ..errors import ShadowWarning
 from ..options import Options
 from ..report import Report
+from ..trajectory import Trajectory
 
 
 _GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
@@ -68,6 +70,8 @@ class ShadowMode:
         self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
         self._adopting: dict = {}  # compiled modules whose outputs are adopted (torch 2.4) -> their hook
         self._engine = Engine(self.options, self.report, self._attr)
+        self._engine.trajectory = Trajectory(self._engine, self._attr.parameter_names)
+        self.report.trajectory = self._engine.trajectory.steps
         self._mode = None
 
     def _compiled_module(self, module: str, mod: torch.nn.Module) -> None:
@@ -109,6 +113,7 @@ class ShadowMode:
         warnings.filterwarnings("ignore", message=_GLOBAL_HOOKS_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]
         self._attr.__enter__()
+        self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._engine.trajectory.stepped(opt))
         self._mode = _ShadowDispatch(self._engine)
         self._mode.__enter__()
         self._active = 1
@@ -119,6 +124,7 @@ class ShadowMode:
         try:
             self._mode.__exit__(*exc)
         finally:
+            self._stepped.remove()
             self._attr.__exit__(*exc)
             self._mode = None
             for handle in self._adopting.values():

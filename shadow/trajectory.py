@@ -1,0 +1,92 @@
+"""Trajectories: over a multi-step run, the drift of the loss and of the parameters after every optimizer step,
+kept in the report as a few numbers per step (no per-call records needed), so that a user sees whether drift
+grows, saturates or is washed out by training.
+
+The loss of a step is the last one-element floating result computed before its backward began (``loss`` or a
+GradScaler's scaled loss: the relative drift is the same); the parameters are those the optimizer stepped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .records import Phase, Record
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_no_dispatch = torch._C._DisableTorchDispatch
+# results that are constants, not computed values: backward's seed (ones_like of the loss) is one
+_CONSTANTS = frozenset({"ones_like", "zeros_like", "full_like", "empty_like", "ones", "zeros", "full", "fill",
+                        "fill_", "scalar_tensor", "lift_fresh", "lift_fresh_copy"})
+
+
+@dataclasses.dataclass(slots=True)
+class StepDrift:
+    """One optimizer step of a run."""
+
+    step: int  # optimizer steps this ShadowMode saw, from 1
+    loss: float | None  # the device's loss (None: no one-element result before the backward)
+    loss_drift: float | None  # |loss - its float64 shadow| / |shadow|
+    params: float  # ||parameters - their shadows|| / ||shadows||, over every parameter the optimizer stepped
+    worst: str  # the parameter whose own relative drift is the largest
+    worst_drift: float
+
+
+class Trajectory:
+    """Fed by the engine (``seen``: each record, with its first tensor result) and by the optimizer step hook
+    (``stepped``)."""
+
+    def __init__(self, engine: Engine, names: Any) -> None:
+        self._engine = engine
+        self._names = names  # () -> {id(parameter): name}
+        self._last: weakref.ref | None = None  # the last one-element forward result
+        self._loss: weakref.ref | None = None  # ... frozen when the step's backward begins
+        self.steps: list[StepDrift] = []
+
+    def seen(self, rec: Record, result: Any) -> None:
+        if rec.phase is Phase.BACKWARD:
+            if self._loss is None and self._last is not None:
+                self._loss = self._last
+        elif rec.phase is not Phase.OPTIMIZER and isinstance(result, torch.Tensor) and result.numel() == 1 \
+                and result.is_floating_point() and rec.op.split(".")[1] not in _CONSTANTS:
+            self._last = weakref.ref(result)
+
+    def stepped(self, opt: torch.optim.Optimizer) -> None:
+        with _no_dispatch():
+            loss = self._loss() if self._loss is not None else None
+            value = drift = None
+            if loss is not None:
+                value, drift = self._relative(loss)
+            names = self._names()
+            total = norm = 0.0
+            worst, worst_drift = "", 0.0
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    try:
+                        shadow = self._engine.shadow_of(p)
+                    except (KeyError, TypeError):  # never seen (a frozen parameter): no shadow to compare
+                        continue
+                    diff = float(torch.linalg.vector_norm(p.detach().to("cpu", torch.float64) - shadow))
+                    size = float(torch.linalg.vector_norm(shadow))
+                    total, norm = total + diff * diff, norm + size * size
+                    own = diff / size if size else (math.inf if diff else 0.0)
+                    if own > worst_drift:
+                        worst, worst_drift = names.get(id(p), ""), own
+        params = math.sqrt(total) / math.sqrt(norm) if norm else (math.inf if total else 0.0)
+        self.steps.append(StepDrift(len(self.steps) + 1, value, drift, params, worst, worst_drift))
+        self._last = self._loss = None
+
+    def _relative(self, t: torch.Tensor) -> tuple[float | None, float | None]:
+        try:
+            shadow = float(self._engine.shadow_of(t).reshape(-1)[0])
+        except (KeyError, TypeError):
+            return None, None
+        value = float(t.detach().reshape(-1)[0])
+        diff = abs(value - shadow)
+        return value, diff / abs(shadow) if shadow else (math.inf if diff else 0.0)
