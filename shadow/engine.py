@@ -21,7 +21,7 @@ from .attribution.adjoint import correctly_rounded
 from .attribution.tracking import Attribution
 from .budgets import Budget, budget_for, reads_overwritten
 from .devices import cpu_fallback
-from .errors import Unsupported
+from .errors import ShadowMemoryError, Unsupported
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import Mirror, shadow_dtype_of
 from .options import Options
@@ -159,6 +159,11 @@ class Engine:
             self.report.passed_through()
             return func(*args, **kwargs)
         plan, chain = entry
+        if self.opt.scope is not None and not self._in_scope(plan, args, kwargs):
+            out = func(*args, **kwargs)
+            with _no_dispatch():
+                self._outside(plan, args, kwargs)
+            return out
         if chain[0] is view_rule:  # aliases and metadata: nothing to compute, nothing to compare
             out = func(*args, **kwargs)
             try:
@@ -178,6 +183,8 @@ class Engine:
             out = func(*args, **kwargs)
             self._record(plan, Kind.META, args, kwargs, out)
             return out
+        except ShadowMemoryError:  # the user asked for this limit: raised before the device op, nothing half-done
+            raise
         except Exception as exc:  # never raise into the user's program
             error = exc
         out = func(*args, **kwargs)
@@ -199,6 +206,38 @@ class Engine:
         except Exception as exc:  # never raise into the user's program
             self.report.internal_error(str(func), f"internal error reading the schema: {exc}")
             return None
+
+    # --- scope: ShadowMode(scope=[module, ...]) ---
+    def _in_scope(self, plan: OpPlan, args, kwargs) -> bool:
+        """A call of a scoped module (its forward or backward), or an optimizer call on one of its parameters."""
+        names = self.attr.module_names(self.opt.scope)
+        if not names:
+            return False
+        if self.attr.stepping:
+            name = self.attr.parameter_of([t for _, t in plan.tensors(args, kwargs)])
+            return any(name == n or name.startswith(n + ".") for n in names)
+        parents = self.attr.parents
+        return any(n in parents for n in names)
+
+    def _outside(self, plan: OpPlan, args, kwargs) -> None:
+        """A call outside the scope ran: no shadow, no record. A storage it wrote that has a shadow (a scoped op
+        read it before) takes the device's values again, as a write shadow saw."""
+        self.report.out_of_scope()
+        m = self.mirror
+        for _, t in plan.tensors(args, kwargs, plan.writes):
+            if t.layout == torch.strided and not t.is_nested and t.device.type != "meta" \
+                    and m.shadow_dtype(t.dtype) is not None and m.known(t) is not None:
+                m.resync(t)
+                m.note_write(m.entry(t))
+
+    def _memory(self, plan: OpPlan) -> None:
+        cap = self.opt.max_shadow_bytes
+        if cap is not None and self.mirror.held > cap:
+            raise ShadowMemoryError(
+                f"shadow holds {self.mirror.held} bytes of float64 shadows at {plan.name} (call {self._index}), "
+                f"over max_shadow_bytes={cap}: raise max_shadow_bytes, or shadow part of the model with "
+                "ShadowMode(scope=[module, ...]) (those modules' calls, their backward and their parameters' "
+                "optimizer calls)")
 
     def _see(self, plan: OpPlan, args, kwargs) -> None:
         """A view's input storage gets its shadow now (adopted if new, resynced if written behind shadow's
@@ -253,6 +292,7 @@ class Engine:
         p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
         if p.spot or (self.opt.budgets and self.opt.local and dtype is not None):
             p.pre = self._pre_inputs(p)
+        self._memory(plan)
         if self.opt.compare_cpu and self.opt.local and dtype is not None:
             a, kw = plan.map_tensors(args, kwargs, lambda t, _: t.detach().to("cpu", copy=True))  # the kernel may write
             for spec in plan.remap_args:

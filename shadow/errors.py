@@ -62,3 +62,9 @@ class EmulationOrderError(RuntimeError):
             f"ShadowMode would see its internal ops. Enter the emulation first: "
             f"`with {emulation}, ShadowMode() as sm:`"
         )
+
+
+class ShadowMemoryError(MemoryError):
+    """The shadows would exceed ``ShadowMode(max_shadow_bytes=...)``: raised before the op that needs more runs
+    on the device (nothing of the user's is half-computed). Its message says how much was held and which
+    options help."""

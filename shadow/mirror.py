@@ -106,6 +106,10 @@ def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> N
     base.index_put_((idx.reshape(-1),), value.expand(t.shape).reshape(-1).to(base.dtype))
 
 
+def _bytes(e: _Entry) -> int:
+    return e.base.numel() * e.base.element_size()
+
+
 class Mirror:
     """The float64 shadows of the storages a program touched, and the version counters seen."""
 
@@ -116,6 +120,7 @@ class Mirror:
         self._empty: dict[int, StorageWeakRef] = {}  # uninitialized storages not read yet (empty's results)
         self._versions: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id(t) -> (ref, key, version, writes)
         self._new = 0
+        self.held = 0  # bytes of the shadows of the entries (ShadowMode(max_shadow_bytes=...))
         self.adopted = 0  # storages first seen mid-run, adopted by exact upcast
         self.reinterpreted = 0  # reads through a view of another dtype size, served from the device
 
@@ -172,6 +177,10 @@ class Mirror:
         self._put(st._cdata, e)
         return e
 
+    def known(self, t: torch.Tensor) -> _Entry | None:
+        """The entry of t's storage if it has one (no adoption)."""
+        return self._entries.get(t.untyped_storage()._cdata)
+
     def resync(self, t: torch.Tensor) -> None:
         """Re-read t's whole storage from the device (after a write shadow did not see)."""
         st = t.untyped_storage()
@@ -179,6 +188,10 @@ class Mirror:
         self._adopt(t, st, old)
 
     def _put(self, key: int, e: _Entry) -> None:
+        old = self._entries.get(key)
+        if old is not None:
+            self.held -= _bytes(old)
+        self.held += _bytes(e)
         self._entries[key] = e
         self._new += 1
         if self._new >= _SWEEP_EVERY:
@@ -274,7 +287,7 @@ class Mirror:
         self._new = 0
         dead = [k for k, e in self._entries.items() if e.wref.expired()]
         for k in dead:
-            del self._entries[k]
+            self.held -= _bytes(self._entries.pop(k))
         self._empty = {k: w for k, w in self._empty.items() if not w.expired()}
         if len(self._versions) > 4 * len(self._entries) + 256:
             self._versions = {k: v for k, v in self._versions.items() if v[0]() is not None}

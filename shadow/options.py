@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from .errors import ShadowOptionError
 from .spot import SpotConfig
 
@@ -22,6 +24,8 @@ class Options:
     budgets: bool = True  # hold each local error to the op's a-priori error budget (shadow.budgets)
     compare_cpu: bool = False  # also run each op on the CPU in the device's dtype: device error / CPU error
     callsites: bool = True  # record each call's line in the user's code (Record.callsite, Report.by_callsite)
+    scope: Any = None  # modules whose calls (forward, backward, their parameters' optimizer calls) are shadowed
+    max_shadow_bytes: int | None = None  # a cap on the bytes of float64 shadows held
 
     def __post_init__(self) -> None:
         for name in ("local", "drift", "budgets", "compare_cpu", "callsites"):
@@ -34,3 +38,14 @@ class Options:
         ):
             raise ShadowOptionError(f"max_records={self.max_records!r}: expected None (keep all) or an int >= 0")
         object.__setattr__(self, "spot_checks", SpotConfig.parse(self.spot_checks))  # frozen: parsed once, here
+        if self.scope is not None:
+            modules = [self.scope] if isinstance(self.scope, torch.nn.Module) else self.scope
+            if not isinstance(modules, (list, tuple)) or not modules or \
+                    not all(isinstance(m, torch.nn.Module) for m in modules):
+                raise ShadowOptionError(f"scope={self.scope!r}: expected None (everything) or a list of the "
+                                        "nn.Modules to shadow (their calls, backward and optimizer calls included)")
+            object.__setattr__(self, "scope", tuple(modules))
+        if self.max_shadow_bytes is not None and (isinstance(self.max_shadow_bytes, bool) or not isinstance(
+                self.max_shadow_bytes, int) or self.max_shadow_bytes <= 0):
+            raise ShadowOptionError(f"max_shadow_bytes={self.max_shadow_bytes!r}: expected None (no cap) or a "
+                                    "number of bytes > 0 (8 GiB: 8 << 30)")

@@ -111,6 +111,7 @@ class Coverage:
     reinterpreted: int = 0  # reads through a view of another element size, served from the device
     compiled: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled modules that ran: calls
     compiled_eagerly: bool = True  # they ran eagerly (recent torch); False: as compiled code, outputs adopted
+    out_of_scope: int = 0  # calls outside ShadowMode(scope=...): run, not shadowed, not recorded
 
     @property
     def replayed(self) -> int:
@@ -122,7 +123,8 @@ class Coverage:
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
-        lines = [f"{self.calls} aten calls ({kinds}); {self.passthrough} non-aten passed through"]
+        lines = [f"{self.calls} aten calls ({kinds}); {self.passthrough} non-aten passed through"
+                 + (f"; {self.out_of_scope} outside the scope, not shadowed" if self.out_of_scope else "")]
         lines.append(
             f"{self.tensors_adopted} storages adopted on first sight, {self.unobserved_writes} unobserved writes, "
             f"{self.internal_errors} internal errors"
@@ -186,6 +188,10 @@ class Report:
         """A storage written behind shadow's back (resynced from the device)."""
         self.coverage.unobserved_writes += 1
         self.events.append(event)
+
+    def out_of_scope(self) -> None:
+        """A call outside ShadowMode(scope=...) ran unshadowed."""
+        self.coverage.out_of_scope += 1
 
     def compiled_module(self, name: str, eagerly: bool) -> None:
         """A torch.compile'd module ran inside the mode, eagerly or as compiled code."""

@@ -167,7 +167,7 @@ class _StepNames:
         """Name an op of the step (``current``) by its tensor arguments, and its fresh outputs after it."""
         self.current = self._fallback  # until named: kept if naming fails
         plan = plan_of(func)
-        name = self._lookup([t for _, t in plan.tensors(args, kwargs)])
+        name = self.lookup([t for _, t in plan.tensors(args, kwargs)])
         self.current = name or self._fallback
         if not plan.fresh_returns:
             return
@@ -179,7 +179,7 @@ class _StepNames:
             own = name
             if spec.tensors and lists:  # a foreach op's i-th output: its i-th inputs' parameter
                 i = index[id(spec)] = index.get(id(spec), -1) + 1
-                own = self._lookup([x[i] for x in lists if i < len(x) and isinstance(x[i], torch.Tensor)]) or name
+                own = self.lookup([x[i] for x in lists if i < len(x) and isinstance(x[i], torch.Tensor)]) or name
             key = _storage(t)
             if key is not None:
                 if own:
@@ -187,7 +187,7 @@ class _StepNames:
                 else:  # a constant's output, or a storage reused: learnt from the state when first read
                     self._storages.pop(key, None)
 
-    def _lookup(self, tensors: list[torch.Tensor]) -> str:
+    def lookup(self, tensors: list[torch.Tensor]) -> str:
         keys = [k for k in map(_storage, tensors) if k is not None]
         found = {self._storages[k] for k in keys if k in self._storages}
         if not found and keys and self._read_state():
@@ -311,6 +311,25 @@ class Attribution:
             h.remove()
         self._handles = []
         self._tracker.__exit__(*exc)
+
+    @property
+    def parents(self) -> set[str]:
+        """The modules whose forward or backward is running."""
+        return self._tracker.parents
+
+    @property
+    def stepping(self) -> bool:
+        """An optimizer step is running."""
+        return bool(self._steps.optimizers)
+
+    def parameter_of(self, tensors: list[torch.Tensor]) -> str:
+        """The parameter an optimizer call's tensors belong to ("" if none is known)."""
+        return self._steps.lookup(tensors)
+
+    def module_names(self, modules: tuple[torch.nn.Module, ...]) -> list[str]:
+        """The dotted names of ``modules`` that ran a forward so far."""
+        known = getattr(self._tracker, "_known_modules", {})
+        return [known[m] for m in modules if m in known]
 
     def parameter_names(self) -> dict[int, str]:
         """id(parameter) -> its dotted name ("Net.fc1.weight"), for the modules that ran a forward."""

@@ -55,10 +55,12 @@ class ShadowMode:
         budgets: bool = True,  # hold each op's local error to its a-priori error budget
         compare_cpu: bool = False,  # also run each op on the CPU in the device dtype: record.cpu, record.cpu_ratio
         callsites: bool = True,  # record each call's line in the user's code: record.callsite, report.by_callsite
+        scope: Any = None,  # [module, ...]: shadow only their calls (forward, backward, optimizer); adopt the rest
+        max_shadow_bytes: int | None = None,  # fail (ShadowMemoryError) before shadows would exceed this
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
                                spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu,
-                               callsites=callsites)
+                               callsites=callsites, scope=scope, max_shadow_bytes=max_shadow_bytes)
         self._active = 0
         self.reset()
 
