@@ -77,6 +77,8 @@ _CAPTIONS = {
               "dtype may reach. Past the 1.0 line (red): less accurate than the dtype allows.",
     "modules": "Local error per module and phase (max budget used; - no call held to a rule's budget). A "
                "parameter's optimizer calls count in its module's row.",
+    "trajectory": "Drift of the loss and of the parameters after each optimizer step, against float64: growing, "
+                  "saturating or washed out by training.",
 }
 _ORDER = "Rows: worst budget use first, then worst local ulp, then worst drift (as Report.table); click a header " \
          "to sort by it. Shaded rows had a call over budget. Columns:"

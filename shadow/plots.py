@@ -167,8 +167,35 @@ def module_heatmap(report: Report, *, metric: str = "budget", top: int = 40) -> 
     return fig
 
 
+def trajectory_figure(report: Report) -> Figure:
+    """The drift of the loss and of the parameters after each optimizer step (``report.trajectory``), on a log
+    axis: whether drift grows, saturates or is washed out by training.
+
+    >>> fig = trajectory_figure(rep)             # doctest: +SKIP
+    """
+    fig = _new_figure(9, 4)
+    ax = fig.add_subplot()
+    steps = report.trajectory
+    if not steps:
+        return _say(fig, ax, "no records of steps: no optimizer step ran under ShadowMode")
+    x = [t.step for t in steps]
+    for values, label in (([t.loss_drift for t in steps], "loss"), ([t.params for t in steps], "parameters")):
+        shown = [(s, v) for s, v in zip(x, values) if v is not None and v > 0 and math.isfinite(v)]
+        if shown:
+            ax.plot([s for s, _ in shown], [v for _, v in shown], marker="." if len(shown) < 50 else None,
+                    label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("drift (relative, against float64)")
+    ax.set_title("drift of the loss and of the parameters over the run")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    return fig
+
+
 FIGURES: dict[str, Callable[[Report], Figure]] = {"drift": drift_figure, "budget": budget_figure,
-                                                   "modules": module_heatmap}  # name -> figure, as written
+                                                   "modules": module_heatmap,
+                                                   "trajectory": trajectory_figure}  # name -> figure, as written
 
 
 def png(fig: Figure, *, dpi: int = 100) -> bytes:
@@ -183,7 +210,7 @@ def write_pngs(report: Report, directory: str | os.PathLike, *, dpi: int = 100) 
     the paths written.
 
     >>> write_pngs(rep, "plots")                 # doctest: +SKIP
-    ['plots/drift.png', 'plots/budget.png', 'plots/modules.png']
+    ['plots/drift.png', 'plots/budget.png', 'plots/modules.png', 'plots/trajectory.png']
     """
     os.makedirs(directory, exist_ok=True)
     paths = []

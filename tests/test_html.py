@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("matplotlib")
 
 import shadow.html  # noqa: E402  (registers the command, as the CLI's import of it will)
-from shadow import Kind, Phase, Record, Report, ShadowMode, cli  # noqa: E402
+from shadow import Kind, Phase, Record, Report, ShadowMode, cli, plots  # noqa: E402
 from shadow.report import LEGEND  # noqa: E402
 from shadow.verdict import conclude  # noqa: E402
 from test_plots import tf32_step  # noqa: E402
@@ -59,7 +59,7 @@ def test_page_holds_verdict_meta_coverage_tables_and_plots(page, saved):
     assert all(f"<td>{m}</td>" in _section(page, "Per module") for m in rep.by_module if m)
     assert all(f"<dt>{name}</dt><dd>{html.escape(LEGEND[name])}</dd>" in page for name in LEGEND)
     assert "No kept call produced NaN or Inf" in page
-    assert page.count('src="data:image/png;base64,') == 3
+    assert page.count('src="data:image/png;base64,') == len(plots.FIGURES)
 
 
 def test_page_is_self_contained(page):
@@ -95,7 +95,7 @@ def test_html_command_writes_page_and_pngs(saved, tmp_path, capsys):
     out, pngs = tmp_path / "r.html", tmp_path / "png"
     assert cli.main(["html", saved, "-o", str(out), "--png", str(pngs)]) == 0
     assert out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
-    assert sorted(os.listdir(pngs)) == ["budget.png", "drift.png", "modules.png"]
+    assert sorted(os.listdir(pngs)) == sorted(f"{name}.png" for name in plots.FIGURES)
     assert capsys.readouterr().out.splitlines()[0] == f"wrote {out}"
 
 

@@ -157,7 +157,7 @@ def test_empty_report_says_no_records(make):
 
 def test_write_pngs(report, tmp_path):
     paths = plots.write_pngs(report, tmp_path / "new" / "dir")
-    assert [p.rsplit("/", 1)[-1] for p in paths] == ["drift.png", "budget.png", "modules.png"]
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["drift.png", "budget.png", "modules.png", "trajectory.png"]
     for path in paths:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -168,3 +168,19 @@ def test_missing_matplotlib_names_the_install(monkeypatch, report):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what a failed import leaves: ImportError on import
     with pytest.raises(ImportError, match=r"pip install matplotlib \(or pip install 'shadow\[display\]'\)"):
         plots.drift_figure(report)
+
+
+def test_trajectory_figure_plots_the_loss_and_the_parameters_per_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ShadowMode(spot_checks="off") as sm:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+    ax = plots.trajectory_figure(sm.report).axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "parameters" in labels and ax.get_yscale() == "log"
+    params = next(line for line in ax.get_lines() if line.get_label() == "parameters")
+    assert list(params.get_xdata()) == [t.step for t in sm.report.trajectory if t.params > 0]
