@@ -28,6 +28,7 @@ from .options import Options
 from .plan import ArgSpec, OpPlan, flat_returns, plan_of
 from .records import BudgetInfo, Event, Kind, Record
 from .replay import REPLAY, Replay, defined_regions, view_rule
+from .replay.table import Deferred
 from .report import Report, merged
 from .rules import run_chain
 from .spot import SpotPolicy, SpotStats
@@ -149,6 +150,7 @@ class Engine:
         self.world: Callable[[str, str, Any, str], str | None] | None = None
         self.observe: Callable[[Record, list[Output], Prepared], None] | None = None
         self.trajectory: Any = None  # shadow.trajectory.Trajectory: the loss and parameters per optimizer step
+        self._deferred: list[_Pending] = []  # calls whose device outputs are judged when first touched (Deferred)
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
@@ -159,6 +161,8 @@ class Engine:
             self.report.passed_through()
             return func(*args, **kwargs)
         plan, chain = entry
+        if self._deferred:  # an op touching a deferred call's outputs: the user's program waited for them
+            self.settle(t for _, t in plan.tensors(args, kwargs))
         if self.opt.scope is not None and not self._in_scope(plan, args, kwargs):
             out = func(*args, **kwargs)
             with _no_dispatch():
@@ -343,7 +347,7 @@ class Engine:
     def _finish(self, p: Prepared, args, kwargs, out) -> None:
         plan = p.plan
         try:
-            kind, souts = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out))
+            kind, souts = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local))
         except Unsupported as exc:
             self._adopt_all(plan, args, kwargs, out)
             self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=p.inputs)
@@ -361,11 +365,23 @@ class Engine:
                         self.mirror.seen_empty(t)
             self._record(plan, kind, args, kwargs, out, inputs=p.inputs)
             return
+        if isinstance(souts, Deferred):  # written asynchronously (collectives): judged once a later op touches them
+            p.cpu = None  # the kernel is never run again
+            written = [t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)]
+            self._deferred.append(_Pending(p, args, kwargs, out, kind, souts, self.attr.where(
+                plan.func, args, kwargs, out, self._index), _storages(written)))
+            return
         louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None
+        self._conclude(p, args, kwargs, out, kind, souts, louts)
+
+    def _conclude(self, p: Prepared, args, kwargs, out, kind: Kind, souts, louts, at: tuple | None = None) -> None:
+        """Judge, commit and record a replayed call."""
+        plan = p.plan
         outputs = self._outputs(p, args, kwargs, out, souts, louts)
         regions = defined_regions(plan, args, kwargs, out)
         verdict = self._judge(p, outputs, out, louts if p.local is not None else souts, regions)
-        at = self.attr.where(plan.func, args, kwargs, out, self._index)
+        if at is None:
+            at = self.attr.where(plan.func, args, kwargs, out, self._index)
         if self.world is not None and kind is not Kind.RANDOM:
             how = self.world(plan.name, *at)
             if how is not None:
@@ -668,8 +684,27 @@ class Engine:
             self.trajectory.seen(rec, result)
         return rec
 
+    def settle(self, tensors=None) -> None:
+        """Judge the deferred calls whose outputs share a storage with ``tensors`` (every one when None)."""
+        with _no_dispatch():
+            touched = None if tensors is None else _storages(tensors)
+            due = [d for d in self._deferred if touched is None or not touched.isdisjoint(d.storages)]
+            if not due:
+                return
+            self._deferred = [d for d in self._deferred if touched is not None and touched.isdisjoint(d.storages)]
+            for d in due:
+                p, r = d.prepared, d.result
+                try:
+                    self.report.meta.update(r.meta)
+                    p.local = Args(*r.local)
+                    self._conclude(p, d.args, d.kwargs, d.out, d.kind, r.shadow, r.local_out, d.at)
+                except Exception as exc:
+                    self._internal_error(p.plan, d.args, d.kwargs, d.out, exc)
+
     # --- queries ---
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:
+        if self._deferred:
+            self.settle([t])
         with _no_dispatch():
             if self.mirror.shadow_dtype(t.dtype) is None:
                 raise TypeError(f"shadow_of: {t.dtype} tensors are not shadowed (only floating and complex ones "
@@ -681,6 +716,26 @@ class Engine:
                 raise KeyError("shadow_of: this tensor's storage was never seen by this ShadowMode "
                                "(create or use it inside the `with ShadowMode()` block)")
             return v.clone()
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A call whose replay returned ``Deferred``, waiting for a later op to touch its outputs."""
+
+    prepared: Prepared
+    args: Any
+    kwargs: dict
+    out: Any
+    kind: Kind
+    result: Deferred
+    at: tuple  # (module, phase, call site) where it was called
+    storages: set[int]
+
+
+def _storages(tensors) -> set[int]:
+    """The data pointers of the strided tensors' storages."""
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)
+            and t.layout == torch.strided and not t.is_nested and t.device.type != "meta" and not t._is_zerotensor()}
 
 
 def _remapped(plan: OpPlan, args: list, kwargs: dict) -> Args:

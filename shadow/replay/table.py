@@ -27,12 +27,27 @@ class Replay:
     args: list
     kwargs: dict
     device_out: Any  # the device's outputs, for rules that adopt a random part
+    local: Any = None  # the device's own inputs upcast (an engine ``Args``; None: the shadow args are the device's)
 
     def arg(self, name: str, default: Any = None) -> Any:
         return self.plan.arg(self.args, self.kwargs, name, default)
 
 
 ReplayRule = Callable[[Replay], Any]
+
+
+@dataclasses.dataclass(slots=True)
+class Deferred:
+    """A rule's outputs whose device values are written asynchronously (collectives): the engine judges and
+    commits the call when a later op first touches one of its outputs (the user's program has waited for them
+    by then), never before. The rule computed both references at the call, in program order: ``shadow`` its
+    outputs as a rule returns them, ``local`` the (args, kwargs) of the local reference after its replay
+    (in-place ops write there), ``local_out`` its outputs; ``meta`` goes to the report's meta."""
+
+    shadow: Any
+    local: tuple[list, dict]
+    local_out: Any = None
+    meta: dict = dataclasses.field(default_factory=dict)
 
 
 def _decomposition(func: torch._ops.OpOverload) -> Callable | None:
