@@ -2,7 +2,12 @@
 uninitialized memory and randomness (``rules``), and fused device kernels with no float64 CPU kernel
 (``attention``: the scaled-dot-product-attention family; ``kernels``: oneDNN LSTM)."""
 
+import torch
+
 from . import attention, kernels, rules  # noqa: F401  (their rules register in the table)
+
+if torch.distributed.is_available():  # the c10d collectives, replayed on shadow's own process groups
+    from . import collectives  # noqa: F401
 from .defined import DEFINED, defined_regions  # noqa: F401  (which output elements an op defines)
 from .rules import EMPTY_OPS, view_rule
 from .table import REPLAY, Replay, default_rule, register_predicate, register_rule
