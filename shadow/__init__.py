@@ -24,6 +24,7 @@ _PUBLIC = {  # name -> the module that defines it
     "SpotStats": "spot",
     "ShadowOptionError": "errors", "ReportFormatError": "errors", "ShadowWarning": "errors",
     "attribute": "attribution.share", "AttributionResult": "attribution.share", "Share": "attribution.share",
+    "merge_reports": "distributed",
     "audit": "audit", "AuditReport": "audit", "AuditRow": "audit", "Plan": "audit.plan",
 }
 __all__ = list(_PUBLIC)

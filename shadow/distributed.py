@@ -1,0 +1,65 @@
+"""Reports of several ranks as one: ``merge_reports``. How collectives are shadowed: docs/distributed.md."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .report import Aggregate, Report
+
+_COUNTS = ("calls", "internal_errors", "passthrough", "tensors_adopted", "unobserved_writes", "reinterpreted",
+           "out_of_scope")
+
+
+def merge_reports(reports: Iterable[Report]) -> Report:
+    """One report from the per-rank reports of a distributed run: aggregates (by op, module, call site, phase)
+    summed with ``Aggregate.merge``, coverage counts added, records kept rank after rank. Each report's rank is
+    its ``meta["rank"]`` (set when shadow sees a collective), else its position in ``reports``. The merged
+    meta names the ranks (``meta["ranks"]``), and ``meta["record_ranks"]`` gives the rank of each record.
+
+    >>> merged = shadow.merge_reports([shadow.load_report(f"rank{r}.json") for r in range(2)])  # doctest: +SKIP
+    >>> merged.meta["ranks"]                                                                    # doctest: +SKIP
+    [0, 1]
+    """
+    reports = list(reports)
+    if not reports:
+        raise ValueError("merge_reports: expected one report per rank, got none")
+    ranks = [r.meta.get("rank", i) for i, r in enumerate(reports)]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"merge_reports: ranks {ranks} repeat; expected one report per rank")
+    limits = [r.max_records for r in reports]
+    out = Report(max_records=None if None in limits else sum(limits),
+                 meta={**reports[0].meta, "ranks": ranks, "rank": None,
+                       "world_size": reports[0].meta.get("world_size", len(reports))})
+    record_ranks: list[int] = []
+    cov = out.coverage
+    for rank, rep in zip(ranks, reports):
+        for key, agg in rep._cells.items():
+            mine = out._cells.get(key)
+            if mine is None:
+                mine = out._cells[key] = Aggregate()
+            mine.merge(agg)
+        out.records.extend(rep.records)
+        record_ranks.extend([rank] * len(rep.records))
+        out.dropped_records += rep.dropped_records
+        out.events.extend(rep.events)
+        c = rep.coverage
+        for name in _COUNTS:
+            if hasattr(cov, name):
+                setattr(cov, name, getattr(cov, name) + getattr(c, name))
+        for k, v in c.kinds.items():
+            cov.kinds[k] = cov.kinds.get(k, 0) + v
+        for op, reason in c.unsupported.items():
+            cov.unsupported.setdefault(op, f"rank {rank}: {reason}")
+        for name, n in c.compiled.items():
+            cov.compiled[name] = cov.compiled.get(name, 0) + n
+    out.meta["record_ranks"] = record_ranks
+    out._views.clear()
+    return out
+
+
+def records_of_rank(report: Report, rank: int) -> list:
+    """The records of one rank in a merged report."""
+    return [rec for rec, r in zip(report.records, report.meta.get("record_ranks", [])) if r == rank]
+
+
+__all__ = ["merge_reports", "records_of_rank"]
