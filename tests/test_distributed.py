@@ -101,7 +101,7 @@ def _run(tmp_path, hook: str = "") -> tuple[list[dict], list]:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    shadows = [torch.load(tmp_path / f"shadows{r}.pt") for r in range(WORLD)]
+    shadows = [torch.load(tmp_path / f"shadows{r}.pt", weights_only=True) for r in range(WORLD)]
     reports = [load_report(tmp_path / f"report{r}.json") for r in range(WORLD)]
     return shadows, reports
 
