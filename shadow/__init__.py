@@ -25,7 +25,7 @@ _PUBLIC = {  # name -> the module that defines it
     "ShadowOptionError": "errors", "ReportFormatError": "errors", "ShadowWarning": "errors",
     "attribute": "attribution.share", "AttributionResult": "attribution.share", "Share": "attribution.share",
     "merge_reports": "distributed",
-    "audit": "audit", "AuditReport": "audit", "AuditRow": "audit", "Plan": "audit.plan",
+    "audit": "precision", "AuditReport": "precision", "AuditRow": "precision", "Plan": "precision.plan",
 }
 __all__ = list(_PUBLIC)
 

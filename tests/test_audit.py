@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import shadow
 from shadow import ShadowOptionError
-from shadow.audit.plan import Plan
+from shadow.precision.plan import Plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,8 +7,8 @@ usual under a ShadowMode, each forward call is computed again by each precision'
 the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The ``verify`` most
 sensitive parts per precision are then run again one at a time, only that part emulated on the device
 (``shadow.modes.Scoped``), and measured in a float64 world where only that part's calls carry their error
-(``Engine._rewrite_shadow``). Range risks come from the same first run (``shadow.audit.ranges``).
-``AuditReport.plan(tolerance)`` picks a precision per part (``shadow.audit.plan``).
+(``Engine._rewrite_shadow``). Range risks come from the same first run (``shadow.precision.ranges``).
+``AuditReport.plan(tolerance)`` picks a precision per part (``shadow.precision.plan``).
 """
 
 from __future__ import annotations
