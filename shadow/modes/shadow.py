@@ -103,9 +103,10 @@ class ShadowMode:
 
         from ..devices import numerics_settings
 
-        return {"shadow": __version__, "torch": torch.__version__, "numerics": numerics_settings(), "options": {
+        meta = {"shadow": __version__, "torch": torch.__version__, "numerics": numerics_settings(), "options": {
             "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow,
             "spot_checks": repr(self.options.spot_checks), "callsites": self.options.callsites}}
+        return meta
 
     def __enter__(self) -> ShadowMode:
         if self._active:
@@ -114,6 +115,9 @@ class ShadowMode:
         # tracker's) are the cause, so that warning is shadow's to silence, and only while it is active
         warnings.filterwarnings("ignore", message=_GLOBAL_HOOKS_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():  # per-rank reports say whose they are (merge_reports)
+            self.report.meta.update(rank=dist.get_rank(), world_size=dist.get_world_size())
         self._attr.__enter__()
         self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._engine.trajectory.stepped(opt))
         self._mode = _ShadowDispatch(self._engine)
@@ -123,6 +127,10 @@ class ShadowMode:
 
     def __exit__(self, *exc) -> None:
         self._active = 0
+        try:
+            self._engine.settle()  # calls judged when their outputs are first read (collectives): the rest, now
+        except Exception as err:  # never raise into the user's program
+            self.report.internal_error("settle", f"internal error: {type(err).__name__}: {err}"[:240])
         try:
             self._mode.__exit__(*exc)
         finally:
