@@ -423,7 +423,8 @@ def _shadowed(run: dict) -> str:
 
 # --- show ---
 def _show_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("report", help="a report file: shadow run's shadow-report.json, or Report.save's")
+    p.add_argument("report", nargs="+", help="a report file (shadow run's shadow-report.json, or Report.save's); "
+                   "several (the ranks of a distributed run) are merged into one (shadow.merge_reports)")
     p.add_argument("--by", choices=VIEWS, default="op", help="group the table by op (default), module, call site "
                    "or phase")
     p.add_argument("--top", type=_count_or_all, default=30, metavar="N|all", help="rows shown (default 30)")
@@ -438,8 +439,15 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
 def _show(args: argparse.Namespace) -> int:
     if args.tree and args.by != "module":
         raise _Failure("--tree folds modules into their parents: use it with --by module")
-    rep = _load(args.report)
-    print(_describe(args.report, rep))
+    if len(args.report) == 1:
+        rep = _load(args.report[0])
+        print(_describe(args.report[0], rep))
+    else:
+        from .distributed import merge_reports
+
+        rep = merge_reports([_load(path) for path in args.report])
+        print(f"{len(args.report)} reports merged (ranks {', '.join(map(str, rep.meta['ranks']))}): "
+              f"{', '.join(args.report)}")
     print()
     try:
         print(_summary(rep, by=args.by, top=args.top, phase=args.phase, tree=args.tree, plain=args.plain))

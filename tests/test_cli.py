@@ -196,6 +196,15 @@ def test_show_prints_the_table_legend_and_verdict(runs, capsys):
     assert "  aten.mm " in out and "TF32-like" in out
 
 
+def test_show_merges_several_reports(runs, capsys):
+    """Several files (the ranks of a distributed run) are shown as one report: calls add up."""
+    assert main(["show", str(runs["fp32"]), str(runs["tf32"]), "--top", "all"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"2 reports merged (ranks 0, 1): {runs['fp32']}, {runs['tf32']}")
+    calls = sum(load_report(runs[k]).coverage.calls for k in ("fp32", "tf32"))
+    assert f"\ncoverage: {calls} aten calls" in out
+
+
 def test_show_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "something else"}')
