@@ -86,7 +86,7 @@ def bce_logits_budget(c: BudgetCall) -> Budget:
 @register_budget(*overloads("nll_loss_forward", "nll_loss2d_forward"))
 def nll_budget(c: BudgetCall) -> Budget:
     """-w_t x[i, t_i] summed, divided by the total weight (mean). total_weight: gamma_n(ua) * itself."""
-    r, tw = c.out(0), c.out(1)
+    tw = c.out(1)
     n = max(c.a["target"].numel(), 1)  # the terms the sums run over (nll_loss2d: N*H*W)
 
     def divisor() -> tuple[float, float]:
