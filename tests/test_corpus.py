@@ -15,6 +15,8 @@ import contextlib
 import ctypes
 import gc
 import os
+import subprocess
+import sys
 import types
 import warnings
 
@@ -22,13 +24,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.hooks import RemovableHandle
 
 import shadow
 from shadow import ShadowMode, _compat
 
 from corpus import HF_MODELS, Program, build, run
-from models import build as build_small, make_batches, make_optimizer, train_steps
 from test_interference import _state, assert_clean_report, assert_identical
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,11 +186,6 @@ def test_autocast_layer_norm_backward_is_over_budget():
 
 
 # --- memory over a long run -----------------------------------------------------------------------------------
-def _live(cls: type) -> int:
-    gc.collect()
-    return sum(issubclass(type(o), cls) for o in gc.get_objects())  # type(): no __class__ lookups
-
-
 @pytest.mark.xfail(strict=True, reason=(
     "open: shadow's module tracker now forgets the handle of every hook that fired (16 -> 9 live handles a step), "
     "but 9 a step (~2 KB) still stay alive, held through the hooks' closures of graphs something keeps"))
@@ -201,15 +196,31 @@ def test_long_run_keeps_no_hook_handles():
     ~3 KB a step (tracemalloc, on the soak's model): torch's ModuleTracker keeps the handle of every multi-grad
     hook it registers in ``_hooks`` until its ``with`` exits (torch >= 2.5), and shadow's _Tracker appends its
     own there too. Without shadow: 0."""
-    model = build_small("mlp")
-    opt = make_optimizer("adam", model.parameters(), "forloop")
-    batch = make_batches("mlp", 1)
-    with ShadowMode(max_records=10):
-        train_steps(model, opt, batch * 20, F.cross_entropy)
-        before = _live(RemovableHandle)
-        train_steps(model, opt, batch * 50, F.cross_entropy)
-        after = _live(RemovableHandle)
-    assert after - before < 10, after - before
+    # in a fresh process: what earlier tests leave behind (global hooks, tracked objects) changes the count
+    code = (
+        "import gc, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import torch.nn.functional as F\n"
+        "from torch.utils.hooks import RemovableHandle\n"
+        "from models import build, make_batches, make_optimizer, train_steps\n"
+        "from shadow import ShadowMode\n"
+        "def live():\n"
+        "    gc.collect()\n"
+        "    return sum(issubclass(type(o), RemovableHandle) for o in gc.get_objects())\n"
+        "model = build('mlp')\n"
+        "opt = make_optimizer('adam', model.parameters(), 'forloop')\n"
+        "batch = make_batches('mlp', 1)\n"
+        "with ShadowMode(max_records=10):\n"
+        "    train_steps(model, opt, batch * 20, F.cross_entropy)\n"
+        "    before = live()\n"
+        "    train_steps(model, opt, batch * 50, F.cross_entropy)\n"
+        "    print(live() - before)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    growth = int(proc.stdout.split()[-1])
+    assert growth < 10, growth
 
 
 def _rss_bytes() -> int:
