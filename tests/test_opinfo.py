@@ -469,19 +469,15 @@ def test_uninitialized_evidence():
 
 def test_uninitialized_evidence_gelsy():
     """linalg.lstsq's default CPU driver, gelsy, returns other roundings of the same problem from call to
-    call (MKL 2024.2, torch 2.13 wheels: over half the calls), and none under the fill: it reads memory
-    torch never initialized (the column pivots, by the look of it), so UNINITIALIZED covers it."""
+    call (MKL 2024.2, torch 2.13 wheels: over half the calls in most runs), and none under the fill: it reads
+    memory torch never initialized (the column pivots, by the look of it), so UNINITIALIZED covers it. Without
+    the fill the variation depends on what that memory happens to hold (a full CI run once saw 64 equal calls),
+    so only the fill's side is asserted."""
     torch.manual_seed(0)
     a, b = torch.randn(3, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
-
-    def varies() -> bool:
-        x = [torch.linalg.lstsq(a, b).solution for _ in range(64)]
-        return not all(same(x[0], y) for y in x)
-
     with _FillUninitialized():
-        assert not varies()
-    if "mkl" in torch.__config__.show().lower():
-        assert varies()
+        x = [torch.linalg.lstsq(a, b).solution for _ in range(64)]
+    assert all(same(x[0], y) for y in x)
 
 
 def test_mode_sensitive_evidence():
