@@ -11,18 +11,16 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ShadowOptionError
 from ..plan import OpPlan, flat_returns, plan_of
-from .emulate._mode import require_outside_shadow
 from .emulate._utils import _floating
-from .select import Selection
+from .select import Selecting, Selection
 
 _no_dispatch = torch._C._DisableTorchDispatch  # the fault's own arithmetic must reach no mode
 
 
-class FaultMode(TorchDispatchMode):
+class FaultMode(Selecting):
     """Multiply the floating outputs of the chosen ops by ``1 + rel`` (each element rounded once to its dtype):
     the ops ``op`` names, or those run inside ``module`` (forward and backward, its submodules' too), or both
     (the op inside the module). Only ops that compute values are touched, never views, data movement or partial
@@ -77,17 +75,6 @@ class FaultMode(TorchDispatchMode):
         if self.random_sign:
             parts.append(f"random_sign=True, seed={self.seed}")
         return f"FaultMode({', '.join(parts)})"
-
-    def __enter__(self):
-        require_outside_shadow(repr(self))
-        self.selection.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self.selection.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -63,7 +63,25 @@ class Selection:
         return inside and computes(plan_of(func))
 
 
-class Scoped(TorchDispatchMode):
+class Selecting(TorchDispatchMode):
+    """A device-side mode that acts on a ``selection`` of calls (FaultMode, Scoped): entered outside ShadowMode,
+    the selection's module tracking entered and left with it. Subclasses set ``self.selection``."""
+
+    selection: Selection
+
+    def __enter__(self):
+        require_outside_shadow(repr(self))
+        self.selection.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.selection.__exit__(*exc)
+
+
+class Scoped(Selecting):
     """An emulated device on part of the program: the calls ``op`` and/or ``module`` choose run with the
     emulation's numerics, every other call as the device computes it (what-if: "only this layer in bf16").
     Enter it outside ShadowMode, as the emulation itself.
@@ -81,17 +99,6 @@ class Scoped(TorchDispatchMode):
 
     def __repr__(self) -> str:
         return f"Scoped({self.emulation!r})"
-
-    def __enter__(self):
-        require_outside_shadow(repr(self))
-        self.selection.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self.selection.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.selection.claims(func):

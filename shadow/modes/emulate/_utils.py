@@ -3,12 +3,15 @@ op on transformed inputs and outputs."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ...opsets import DATA_MOVEMENT, PARTIAL_WRITES, VIEW_COPIES
 from ...plan import OpPlan, flat_returns
+from ...rules import RuleTable
+from .formats import Format, round_to
 
 aten = torch.ops.aten
 
@@ -58,3 +61,14 @@ def transform_io(fn: Callable[[torch.Tensor], torch.Tensor], plan: OpPlan, args:
         if not (spec.aliases_write or spec.aliases_read):  # a fresh result: this rule owns it
             _in_place(fn, v)
     return out
+
+
+def rounding_table(name: str, fmt: Format) -> RuleTable:
+    """The rule table of a device that stores in float32 but computes in ``fmt`` (bf16, fp16): every op that
+    computes values gets its floating inputs and outputs rounded to ``fmt`` (``transform_io``); the rest pass."""
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype is fmt.dtype else round_to(t, fmt)
+
+    table = RuleTable(name)  # no default: unclaimed ops pass through
+    table.register_predicate(computes)(functools.partial(transform_io, rounded))
+    return table

@@ -4,23 +4,12 @@ original dtype; data movement and partial writes pass through (``_utils.PASS_THR
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from ...rules import RuleTable
 from ._mode import Emulation, Rule, register
-from ._utils import computes, transform_io
-from .formats import BF16, round_to
+from ._utils import rounding_table
+from .formats import BF16
 
-TABLE: RuleTable[Rule] = RuleTable("bf16")  # no default: unclaimed ops pass through
-
-
-def _to_bf16(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype is torch.bfloat16 else round_to(t, BF16)
-
-
-TABLE.register_predicate(computes)(functools.partial(transform_io, _to_bf16))
+TABLE: RuleTable[Rule] = rounding_table("bf16", BF16)
 
 
 @register("bf16", TABLE)

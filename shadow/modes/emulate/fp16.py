@@ -5,23 +5,12 @@ data movement and partial writes pass through (``_utils.PASS_THROUGH``)."""
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from ...rules import RuleTable
 from ._mode import Emulation, Rule, register
-from ._utils import computes, transform_io
-from .formats import FP16, round_to
+from ._utils import rounding_table
+from .formats import FP16
 
-TABLE: RuleTable[Rule] = RuleTable("fp16")  # no default: unclaimed ops pass through
-
-
-def _to_fp16(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype is torch.float16 else round_to(t, FP16)
-
-
-TABLE.register_predicate(computes)(functools.partial(transform_io, _to_fp16))
+TABLE: RuleTable[Rule] = rounding_table("fp16", FP16)
 
 
 @register("fp16", TABLE)
