@@ -192,6 +192,23 @@ def dtype_unsupported(name: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+def one_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A zero-argument training step returning its loss, as shadow.attribute and shadow.audit take it.
+
+    >>> step = one_step(m, o, x, y, F.mse_loss); loss = step()     # doctest: +SKIP
+    """
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        value = loss(model(x), y)
+        value.backward()
+        opt.step()
+        return value
+
+    return step
+
+
 def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, accumulate: int = 1,
                 clip: float | None = None, clip_foreach: bool | None = None,

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shadow
+from models import one_step
 from shadow import ShadowOptionError
 from shadow.modes import FaultMode
 
@@ -52,15 +53,7 @@ def _mlp_setup(seed: int = 0, dtype: torch.dtype = torch.float32):
     net = Net().to(dtype)
     x, y = torch.randn(128, 16, dtype=dtype), torch.randn(128, 1, dtype=dtype)
     opt = torch.optim.Adam(net.parameters(), 1e-3)
-
-    def step():
-        opt.zero_grad()
-        loss = F.mse_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return net, opt, step
+    return net, opt, one_step(net, opt, x, y, F.mse_loss)
 
 
 def _both(net: nn.Module, opt: torch.optim.Optimizer, step, wrap=None, **kwargs):
@@ -141,12 +134,7 @@ def test_unperturbed_bf16_step_both_methods_agree_on_the_top_three():
     x, y = torch.randn(8, 12, 32, dtype=torch.bfloat16), torch.randint(0, 5, (8,))
     opt = torch.optim.AdamW(net.parameters(), 1e-3)
 
-    def step():
-        opt.zero_grad()
-        loss = F.cross_entropy(net(x).float(), y)
-        loss.backward()
-        opt.step()
-        return loss
+    step = one_step(net, opt, x, y, lambda out, target: F.cross_entropy(out.float(), target))
 
     linear, ablation = _both(net, opt, step)
     assert [r.key for r in linear.rows[:3]] == [r.key for r in ablation.rows[:3]]
@@ -163,13 +151,7 @@ def test_ablation_leaves_the_users_objects_as_after_one_step_and_the_device_unto
     net = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 1))
     x, y = torch.randn(64, 16), torch.randn(64, 1)
     opt = torch.optim.AdamW(net.parameters(), 1e-2)
-
-    def step():
-        opt.zero_grad()
-        loss = F.mse_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        return loss
+    step = one_step(net, opt, x, y, F.mse_loss)
 
     start = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state()
     with FaultMode(rel=1e-3, op="gelu"):  # the "device": one ordinary step, without shadow

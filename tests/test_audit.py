@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shadow
+from models import one_step
 from shadow import ShadowOptionError
 from shadow.precision.plan import Plan
 
@@ -48,15 +49,7 @@ def _setup(seed: int = 0):
     model = Model()
     x, y = torch.randn(8, 10, 16), torch.randint(0, 5, (8,))
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
-
-    def step():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return model, opt, step
+    return model, opt, one_step(model, opt, x, y, F.cross_entropy)
 
 
 @pytest.fixture(scope="module")
