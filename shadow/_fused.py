@@ -51,7 +51,9 @@ def _pointer(typingctx, address):
 def _chunk(y, table, r, bits, bound, step, inverse_unit, start, stop, out):
     """The figures of elements [start, stop) into ``out``. ``table`` decodes 16-bit formats read as their
     bits (None: y is float32/float64); ``bits`` is r read as int64; ``bound[i * step]`` is element i's bound
-    (step 0: one bound for all); ``inverse_unit[E]``: 1 / the spacing unit of a float64 of exponent field E."""
+    (step 0: one bound for all; an empty ``bound``: none); ``inverse_unit[E]``: 1 / the spacing unit of a
+    float64 of exponent field E."""
+    judged = bound.shape[0] > 0
     max_abs = sum_d2 = sum_r2 = max_ulp = max_ulp_nonzero = used = 0.0
     device = reference = mismatch = agreed = zero = 0
     for i in range(start, stop):
@@ -79,7 +81,7 @@ def _chunk(y, table, r, bits, bound, step, inverse_unit, start, stop, out):
             zero += 1
         elif d < _INF:
             max_ulp_nonzero = max(max_ulp_nonzero, ulp)
-        if bound is not None:
+        if judged:
             q = abs(d / bound[i * step])  # 0/0 (exact where the bound is 0) is NaN: never the max
             if q > used:
                 used = q
@@ -90,11 +92,13 @@ def _chunk(y, table, r, bits, bound, step, inverse_unit, start, stop, out):
 
 @njit
 def _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound):
-    """The kernel's views of the tensors' memory (which the caller keeps alive)."""
+    """The kernel's views of the tensors' memory (which the caller keeps alive). The bound is an array even
+    where there is none (then empty): an optional array inside a parallel loop was sometimes read as None by
+    numba's worker threads (a budget use of 0 where the serial pass found 2**25)."""
     y = numba.carray(_pointer(y_address), n, y_like.dtype)
     r = numba.carray(_pointer(r_address), n, np.float64)
     bits = numba.carray(_pointer(r_address), n, np.int64)
-    bound = None if bound_address is None else numba.carray(_pointer(bound_address), n_bound, np.float64)
+    bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
     return y, r, bits, bound
 
 
@@ -185,7 +189,7 @@ def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: 
         if bound.numel() != 1:  # a bound broadcast along some dimensions is made whole (rare)
             bound = torch.broadcast_to(bound, r.shape)
         bound = _on_cpu(bound, torch.float64)
-    args = (y.data_ptr(), read[0], read[1], r.data_ptr(), None if bound is None else bound.data_ptr(),
+    args = (y.data_ptr(), read[0], read[1], r.data_ptr(), r.data_ptr() if bound is None else bound.data_ptr(),
             r.numel(), 0 if bound is None else bound.numel(), _inverse_units(tiny))
     try:
         return _run(args)
