@@ -144,16 +144,16 @@ def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
                  ready: Callable[[ShadowMode], None] | None = None) -> AdjointPass:
     """Run ``step`` under a ShadowMode (``options``) collecting each forward call's ``errors`` weighted by the
     float64 adjoint of <along(D), T>, where D is the target's drift (``along`` returns None: no weighting needed);
-    ``also``: another observer of every judged call; ``ready``: called with the ShadowMode before the step."""
+    ``also``: another observer of every judged call, called before the errors are asked for; ``ready``: called with the ShadowMode before the step."""
     sm = ShadowMode(**options)
     if ready is not None:
         ready(sm)
     adjoints = Adjoints(sm.shadow_of, errors)
 
     def observe(rec: Record, outputs: list, p: Any) -> None:
-        adjoints.observe(rec, outputs, p)
         if also is not None:
             also(rec, outputs, p)
+        adjoints.observe(rec, outputs, p)
 
     sm._engine.observe = observe
     sm._attr.callsites.on_bind = adjoints.bind

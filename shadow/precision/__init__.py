@@ -3,8 +3,8 @@
 For every part and candidate precision: the estimated relative change of the target (the loss) if that part alone
 ran in that precision and everything else in float64. One pass, for every precision at once: the step runs as
 usual under a ShadowMode, each forward call is computed again by each precision's emulated device
-(``shadow.modes``) on its float64 inputs (``_Emulated``), and that error is weighted by the float64 adjoint of
-the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The ``verify`` most
+(``shadow.modes``) on the inputs it would have if its part alone ran in that precision (``onepass``), and that
+error is weighted by the float64 adjoint of the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The ``verify`` most
 sensitive parts per precision are then run again one at a time, only that part emulated on the device
 (``shadow.modes.Scoped``), and measured in a float64 world where only that part's calls carry their error
 (``Engine._rewrite_shadow``). Range risks come from the same first run (``shadow.precision.ranges``).
@@ -23,12 +23,11 @@ from ..attribution.share import adjoint_pass, _key_of, _own, _read, _targets
 from ..attribution.state import StepState
 from ..errors import ShadowOptionError
 from ..modes.emulate import BF16Mode, FP8Mode, FP16Mode, TF32Mode
-from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format, round_to
+from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format
 from ..modes.select import Scoped
 from ..modes.shadow import ShadowMode
-from ..plan import flat_returns
 from ..records import Phase, Record
-from ..rules import run_chain
+from .onepass import Emulated
 from .plan import Plan, choose
 from .ranges import Ranges
 
@@ -86,6 +85,7 @@ class AuditReport:
     rows: list[AuditRow]
     target: float
     runs: int
+    dropped: tuple[tuple[str, str], ...] = ()  # (precision, part): later calls estimated on float64 inputs (memory)
 
     def ranking(self, precision: str) -> list[str]:
         """The parts, most sensitive to ``precision`` first."""
@@ -125,6 +125,9 @@ class AuditReport:
             lines.append(f"{key or '(none)':<{name_w}}" + "".join(cells))
         lines.append(f"relative change of the target (float64 value {self.target:.6g}) if the part alone ran in the "
                      f"precision; (measured); - not touched; O overflow, U >1% below the smallest normal; {self.runs} runs")
+        if self.dropped:
+            ended = ", ".join(f"{k or '(none)'} ({p})" for p, k in self.dropped)
+            lines.append(f"estimated on float64 inputs after their first call (memory bound): {ended}")
         return "\n".join(lines)
 
 
@@ -155,9 +158,14 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
     key = (lambda rec: rec.module) if by == "module" else (lambda rec: rec.op)
     state = StepState()
     ranges = Ranges(key, {p: (PRECISIONS[p].format, PRECISIONS[p].scaled) for p in precisions})
-    emulated = _Emulated(precisions, key)
+    emulated = Emulated(precisions, [PRECISIONS[p].mode() for p in precisions], key, by)
+
+    def observe(rec: Record, outputs: list, p: Any) -> None:
+        ranges.observe(rec, outputs, p)
+        emulated.observe(rec, outputs, p)
+
     with state.learning():
-        run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=ranges.observe,
+        run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=observe,
                            ready=emulated.attach)
     after = state.save()
     if run.t_64.numel() != 1:
@@ -186,88 +194,7 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
                                      r.underflow(fmt) if r is not None else 0.0, k in applies))
     finally:
         state.restore(after)
-    return AuditReport(by, precisions, rows, truth, runs)
-
-
-class _Emulated:
-    """The errors ``Adjoints`` weights for the audit, one channel per candidate precision: what a forward call
-    would compute in that precision on its float64 inputs (the shadow inputs in the device's dtype, run by the
-    precision's emulated device) minus its float64 result. Measured on the float64 inputs, as if the part alone
-    ran in that precision: on inputs an emulated upstream had moved, every rounding would be drawn again, and the
-    estimate would be of another realization than the part's own. For formats results are stored in (bf16,
-    fp16), an input another call of the same part produced is already in the format: its rounding is that
-    call's, so the reference rounds it too rather than count it twice. Calls that write their inputs are left
-    out (overwritten by then). ``claimed``: per precision, the record indices its device computes differently."""
-
-    def __init__(self, precisions: tuple[str, ...], key: Callable[[Record], str]) -> None:
-        self.precisions = precisions
-        self.modes = [PRECISIONS[p].mode() for p in precisions]
-        self.claimed: dict[str, set[int]] = {p: set() for p in precisions}
-        self._key = key
-        self._mirror = None
-        self._producer: dict[int, str] = {}  # shadow storage -> the part whose call wrote it last
-        self._last: tuple[int, list | None] = (-1, None)
-
-    def attach(self, sm: ShadowMode) -> None:
-        self._mirror = sm._engine.mirror
-
-    def __call__(self, rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, ...] | None:
-        errors = self._errors(rec, o, p)
-        e = self._mirror._entries.get(o.device.untyped_storage()._cdata) if self._mirror is not None else None
-        if e is not None:
-            self._producer[e.sptr] = self._key(rec)
-        return errors
-
-    def _errors(self, rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, ...] | None:
-        if o.written or o.slot is None or p.plan.writes or not isinstance(o.shadow, torch.Tensor):
-            return None
-        outs = self._emulated(rec, p)
-        if outs is None:
-            return None
-        errors = []
-        for out, ref in outs:
-            if out is None:  # the precision leaves this call as it is (no error of its own)
-                errors.append(torch.zeros_like(o.shadow))
-                continue
-            flat = [t for _, t in flat_returns(p.plan, out)]
-            y = flat[o.slot] if o.slot < len(flat) else None
-            r = o.shadow if ref is None else [t for _, t in flat_returns(p.plan, ref)][o.slot]
-            if not isinstance(y, torch.Tensor) or y.shape != o.shadow.shape or not y.is_floating_point():
-                return None
-            errors.append(y.to(torch.float64) - r)
-        return tuple(errors)
-
-    def _emulated(self, rec: Record, p: Any) -> list | None:
-        """Per precision, (the emulated results, the float64 reference where it is not the shadow's)."""
-        if self._last[0] == rec.index:  # one computation per call, whatever its number of outputs
-            return self._last[1]
-        dtype = p.inputs[0].dtype if p.inputs else None
-        result = None
-        if dtype is not None and dtype != torch.float64 and dtype.is_floating_point:
-            plan, part = p.plan, self._key(rec)
-            args, kwargs = plan.map_tensors(p.shadow.args, p.shadow.kwargs,
-                                            lambda t, _: t.to(dtype) if t.is_floating_point() else t)
-            inner = [self._producer.get(t.untyped_storage()._cdata) == part
-                     for _, t in plan.tensors(p.shadow.args, p.shadow.kwargs)]
-            result = []
-            for name, mode in zip(self.precisions, self.modes):
-                chain = mode.table.chain(plan.func)
-                out = run_chain(chain, plan, args, kwargs, mode.options) if chain else NotImplemented
-                if out is NotImplemented:  # unclaimed (data movement, or not a matmul for tf32 and fp8)
-                    result.append((None, None))
-                    continue
-                self.claimed[name].add(rec.index)
-                ref = None
-                if PRECISIONS[name].stores and any(inner):
-                    flags = iter(inner)
-                    fmt = PRECISIONS[name].format
-                    a, kw = plan.map_tensors(p.shadow.args, p.shadow.kwargs,
-                                             lambda t, _: round_to(t, fmt) if next(flags) and t.is_floating_point()
-                                             else t)
-                    ref = plan.func(*a, **kw)
-                result.append((out, ref))
-        self._last = (rec.index, result)
-        return result
+    return AuditReport(by, precisions, rows, truth, runs, tuple(sorted(emulated.dropped)))
 
 
 def _verified(step: Callable[[], Any], target: Any, state: StepState, precision: Precision, by: str, part: str,
