@@ -112,12 +112,18 @@ def test_a_parts_later_calls_are_estimated_on_the_inputs_of_its_own_run():
     model = nn.Sequential(nn.Linear(16, 32), Repeat(), nn.Linear(32, 5))
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     opt = torch.optim.SGD(model.parameters(), 1e-2)
-    aud = shadow.audit(one_step(model, opt, x, y, F.cross_entropy), precisions=("bf16", "fp16"), verify=100)
+    start = copy.deepcopy(model.state_dict())
+    step = one_step(model, opt, x, y, F.cross_entropy)
+    aud = shadow.audit(step, precisions=("bf16", "fp16"), verify=100)
     for precision in ("bf16", "fp16"):
         for part in ("Sequential.1", "Sequential.1.back"):  # the subtraction alone rounds x + 8 likewise, once
             r = aud.row(part, precision)
             assert r.verified > 3e-5  # well above the float32 device's own level (~1e-7)
             assert abs(r.estimate - r.verified) <= 0.05 * r.verified, (precision, part, r.estimate, r.verified)
+    model.load_state_dict(start)
+    by_op = shadow.audit(step, precisions=("fp16",), by="op", verify=100)  # the same by op: three adds, one part
+    r = by_op.row("aten.add.Tensor", "fp16")
+    assert r.verified > 3e-5 and abs(r.estimate - r.verified) <= 0.05 * r.verified, (r.estimate, r.verified)
 
 
 def test_worlds_beyond_the_memory_bound_end_and_are_named(monkeypatch):
