@@ -23,7 +23,7 @@ from .budgets import Budget, budget_for, reads_overwritten
 from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import ErrorStats, compare, count_flips
-from .mirror import Mirror, shadow_dtype_of
+from .mirror import CPU, Mirror, Placement, shadow_dtype_of
 from .options import Options
 from .plan import ArgSpec, OpPlan, flat_returns, plan_of
 from .records import BudgetInfo, Event, Kind, Record
@@ -141,16 +141,30 @@ class Engine:
         self.opt = options
         self.report = report
         self.attr = attribution
-        self.mirror = Mirror(follow_reference=options.follow == "reference")
+        # where shadows live: resolved per device, once (ShadowMode(shadow_device=...); docs/architecture.md)
+        self.mirror = Mirror(options.follow == "reference",
+                             Placement(options.shadow_device, options.max_shadow_bytes or 0))
         self.spot = SpotPolicy(options.spot_checks)
         self._plans: dict[Any, tuple[OpPlan, tuple] | None] = {}
         self._index = 0
         # shadow.attribute's hooks (None in a plain ShadowMode): how an ablation world rewrites a call's shadows,
         # given (op, module, phase, call site) (_rewrite_shadow); and a look at each judged call's record and outputs
         self.world: Callable[[str, str, Any, str], str | None] | None = None
-        self.observe: Callable[[Record, list[Output], Prepared], None] | None = None
+        self._observe: Callable[[Record, list[Output], Prepared], None] | None = None
         self.trajectory: Any = None  # shadow.trajectory.Trajectory: the loss and parameters per optimizer step
         self._deferred: list[_Pending] = []  # calls whose device outputs are judged when first touched (Deferred)
+
+    @property
+    def observe(self) -> Callable[[Record, list[Output], Prepared], None] | None:
+        return self._observe
+
+    @observe.setter
+    def observe(self, hook: Callable[[Record, list[Output], Prepared], None] | None) -> None:
+        # the observers (shadow.attribute's adjoints, shadow.audit's) compute on the outputs' references with
+        # CPU tensors of their own: under shadow_device="auto" their runs keep the shadows on the CPU
+        self._observe = hook
+        if hook is not None:
+            self.mirror.place.on_cpu_unless_chosen()
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
@@ -280,7 +294,8 @@ class Engine:
                 v = read[id(t)] = self._shadow_arg(p, t, False, False)
             return v
 
-        p.shadow = _remapped(plan, *plan.map_tensors(args, kwargs, shadow))
+        place = self.mirror.place
+        p.shadow = _remapped(plan, place, *plan.map_tensors(args, kwargs, shadow))
         if self.opt.local and not p.exact:
             seen: dict[int, torch.Tensor] = {}  # a tensor passed twice (Adam's addcmul_(g, g)) is upcast once
 
@@ -290,7 +305,7 @@ class Engine:
                     c = seen[id(t)] = self.mirror.upcast(t)
                 return c
 
-            p.local = _remapped(plan, *plan.map_tensors(args, kwargs, up))
+            p.local = _remapped(plan, place, *plan.map_tensors(args, kwargs, up))
         dtype = p.inputs[0].dtype if p.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
         p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
@@ -328,10 +343,10 @@ class Engine:
         m = self.mirror
         sd = m.shadow_dtype(t.dtype)
         if sd is None:  # discrete, following the device: its values, never written back
-            c = t.to("cpu")
+            c = t.to(m.place(t.device))
             return c.clone() if write and c is t else c
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
-            return torch.zeros(t.shape, dtype=sd)
+            return torch.zeros(t.shape, dtype=sd, device=m.place(t.device))
         e = self._entry(p.plan, t)
         p.nonfinite_in = p.nonfinite_in or e.nonfinite
         if e.drift > p.inputs_drift:
@@ -392,8 +407,8 @@ class Engine:
         result = next((o.device for o in outputs.items if isinstance(o.device, torch.Tensor)), None)
         rec = self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs,
                            cpu=cpu, result=result, nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift, at=at)
-        if self.observe is not None:
-            self.observe(rec, outputs.items, p)
+        if self._observe is not None:
+            self._observe(rec, outputs.items, p)
 
     def _rewrite_shadow(self, how: str, outputs: Outputs, compared: list[Compared]) -> None:
         """``shadow.attribute``'s ablation worlds, before the mirror keeps a call's shadows: "device" gives each
@@ -534,9 +549,10 @@ class Engine:
             bound = bounds[o.slot] if o.slot < len(bounds) else None
         keep, skipped = sh, 0
         if defined is not None and defined.shape == dev.shape and not bool(defined.all()):
+            defined = defined.to(sh.device)
             keep = torch.where(defined, sh, self.mirror.upcast(dev))
             skipped = int((~defined).sum())
-            dev, sh = dev.detach().to("cpu")[defined], sh[defined]
+            dev, sh = dev.detach().to(sh.device)[defined], sh[defined]
             lo = lo[defined] if has_local and lo.shape == defined.shape else lo
             bound = torch.broadcast_to(bound, defined.shape)[defined] if isinstance(bound, torch.Tensor) else bound
         # with every input exact (no local replay), the shadow comparison is the local error too
@@ -715,7 +731,7 @@ class Engine:
             if v is None:
                 raise KeyError("shadow_of: this tensor's storage was never seen by this ShadowMode "
                                "(create or use it inside the `with ShadowMode()` block)")
-            return v.clone()
+            return v.to(CPU, copy=True)  # a CPU copy wherever the shadows live (shadow_device=)
 
 
 @dataclasses.dataclass(slots=True)
@@ -738,21 +754,27 @@ def _storages(tensors) -> set[int]:
             and t.layout == torch.strided and not t.is_nested and t.device.type != "meta" and not t._is_zerotensor()}
 
 
-def _remapped(plan: OpPlan, args: list, kwargs: dict) -> Args:
-    """dtype and device arguments rewritten for the float64 CPU replay (in place in these copies)."""
+def _remapped(plan: OpPlan, place: Placement, args: list, kwargs: dict) -> Args:
+    """dtype and device arguments rewritten for the float64 replay on the shadow device (in place in these
+    copies): a device names where the device op puts its result, so the replay puts the shadow where that
+    device's shadows live (``place``)."""
     for spec in plan.remap_args:
         v = spec.get(args, kwargs)
-        new = _remap(spec.name, v)
+        new = _remap(plan, spec.name, v, place)
         if new is not v:
             spec.put(args, kwargs, new)
     return Args(args, kwargs)
 
 
-def _remap(name: str, v: Any) -> Any:
+def _remap(plan: OpPlan, name: str, v: Any, place: Placement) -> Any:
     if isinstance(v, torch.dtype):
         return shadow_dtype_of(v) or v
     if isinstance(v, torch.device):
-        return torch.device("cpu")
+        return place(v)
+    # a factory op's default device is the CPU: its shadow goes to the device chosen for every shadow
+    if v is None and name == "device" and not plan.tensor_args and place.fixed is not None \
+            and place.fixed.type != "cpu":
+        return place.fixed
     if name in ("pin_memory", "half_to_float") and v:
         return False
     return v

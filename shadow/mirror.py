@@ -1,4 +1,4 @@
-"""Storage mirror: one CPU shadow per device storage; a tensor's shadow is an as_strided view of it.
+"""Storage mirror: one float64 shadow per device storage; a tensor's shadow is an as_strided view of it.
 
 Mirroring storages rather than tensors makes aliasing, views, in-place and ``out=`` replay exactly: a
 write through any view of a storage lands in the one shadow every other view reads.
@@ -6,14 +6,21 @@ write through any view of a storage lands in the one shadow every other view rea
 Entries are keyed by the StorageImpl address and hold a weak reference to it (``StorageWeakRef``),
 which keeps the address from being reused while the entry lives; ``sweep`` drops the entries of dead
 storages. Every method here runs inside ``__torch_dispatch__`` with dispatch disabled.
+
+Where the shadows live (``ShadowMode(shadow_device=...)``) is a ``Placement``: every shadow the mirror and the
+engine make goes to ``placement(device tensor's device)``, resolved once per device (docs/architecture.md:
+Where shadows live).
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from .errors import ShadowOptionError
 
 _SWEEP_EVERY = 64  # new entries between sweeps: bounds the shadow memory kept for dead storages
 
@@ -25,6 +32,107 @@ def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
     if dtype.is_floating_point:
         return torch.float64
     return None
+
+
+# --- where shadows live: ShadowMode(shadow_device="auto" | "cpu" | a device with float64) ---
+AUTO = "auto"
+CPU = torch.device("cpu")
+# device types that cannot hold shadows: why, in the words of the error message
+NO_FLOAT64 = {
+    "mps": "MPS has no float64 (Apple GPUs do not compute in double precision)",
+    "privateuseone": "DirectML devices mostly have no float64, and asking one for it raises",
+    "meta": "meta tensors hold no values",
+}
+# "auto" keeps a CUDA device's shadows on it when, at the first tensor shadow sees there, at least this share of
+# its memory is free: the float64 shadows of a float32 program take twice its bytes (more for 16-bit ones), so
+# a program using at most a third of the device leaves room for them. Decided once per device, never moved.
+AUTO_FREE_SHARE = 2 / 3
+
+
+def parse_shadow_device(value: Any) -> str | torch.device:
+    """``"auto"``, or the device ``value`` names (a string or a ``torch.device``), checked: a device type torch
+    knows, with float64 compute, available on this machine. ``"cuda"`` means the current CUDA device."""
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
+    expected = ("expected 'auto' (shadows on a CUDA device when it has the memory, else on the CPU), 'cpu', "
+                "or a device that computes float64 such as 'cuda' or 'cuda:1'")
+    if isinstance(value, str):
+        try:
+            device = torch.device(value)
+        except RuntimeError as exc:
+            raise ShadowOptionError(f"shadow_device={value!r} is not a device torch knows "
+                                    f"({str(exc).splitlines()[0][:120]}): {expected}") from None
+    elif isinstance(value, torch.device):
+        device = value
+    else:
+        raise ShadowOptionError(f"shadow_device={value!r}: {expected}")
+    if device.type in NO_FLOAT64:
+        raise ShadowOptionError(f"shadow_device={value!r}: {NO_FLOAT64[device.type]}, so shadows cannot live "
+                                "there; use 'auto' (shadows of such devices' tensors stay on the CPU) or 'cpu'")
+    if device.type == "cpu":
+        return CPU
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ShadowOptionError(f"shadow_device={value!r}: no {device.type} device is available on this machine "
+                                f"(torch.{device.type}.is_available() is not True); use 'auto' or 'cpu'")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    index = device.index if device.index is not None else backend.current_device()
+    if index >= count:
+        raise ShadowOptionError(f"shadow_device={value!r}: this machine has {count} {device.type} device(s) "
+                                f"({device.type}:0 to {device.type}:{count - 1})")
+    return torch.device(device.type, index)
+
+
+def _memory_info(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device (a function of its own: tests replace it)."""
+    return torch.cuda.mem_get_info(device)
+
+
+def resolve_auto(device: torch.device, min_free: int = 0) -> torch.device:
+    """Where "auto" keeps the shadows of ``device``'s tensors: the CUDA device itself when at least
+    ``AUTO_FREE_SHARE`` of its memory (and ``min_free`` bytes) is free, else the CPU; every other device type's
+    on the CPU (MPS and DirectML have no float64; others are not known to compute it at speed)."""
+    if device.type != "cuda":
+        return CPU
+    try:
+        free, total = _memory_info(device)
+    except Exception:  # no answer from the driver: the CPU, which always works
+        return CPU
+    return device if free >= max(AUTO_FREE_SHARE * total, min_free) else CPU
+
+
+class Placement:
+    """The shadow device of each device, resolved once per device (the per-op path reads a dict).
+
+    ``choice``: ``"auto"`` or a device (``parse_shadow_device``'s result); ``min_free``: bytes "auto" wants
+    free on a GPU besides its share (``max_shadow_bytes``)."""
+
+    __slots__ = ("choice", "min_free", "fixed", "_resolved")
+
+    def __init__(self, choice: str | torch.device = CPU, min_free: int = 0):
+        self.choice = choice
+        self.min_free = min_free
+        self.fixed = choice if isinstance(choice, torch.device) else None  # one device for every shadow
+        self._resolved: dict[torch.device, torch.device] = {}
+
+    def __call__(self, device: torch.device) -> torch.device:
+        if self.fixed is not None:
+            return self.fixed
+        d = self._resolved.get(device)
+        if d is None:
+            d = self._resolved[device] = resolve_auto(device, self.min_free)
+        return d
+
+    def on_cpu_unless_chosen(self) -> None:
+        """"auto" resolves every device to the CPU from now on, if it resolved none yet (callers whose own
+        arithmetic on shadows is CPU-only); an explicit device stays the caller's choice."""
+        if self.fixed is None and not self._resolved:
+            self.fixed = CPU
+
+    @property
+    def resolved(self) -> dict[torch.device, torch.device]:
+        """What "auto" decided so far: device -> where its tensors' shadows live."""
+        return dict(self._resolved)
 
 
 class _Entry:
@@ -100,10 +208,10 @@ def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> N
     if torch._debug_has_internal_overlap(t) == 0:
         _region(base, t).copy_(value)
         return
-    idx = torch.arange(base.numel()).as_strided(t.size(), t.stride(), t.storage_offset())
+    idx = torch.arange(base.numel(), device=base.device).as_strided(t.size(), t.stride(), t.storage_offset())
     value = value.conj() if t.is_conj() else value  # the raw values a conj/neg view of them reads as value
     value = -value if t.is_neg() else value
-    base.index_put_((idx.reshape(-1),), value.expand(t.shape).reshape(-1).to(base.dtype))
+    base.index_put_((idx.reshape(-1),), value.expand(t.shape).reshape(-1).to(base.device, base.dtype))
 
 
 def _bytes(e: _Entry) -> int:
@@ -113,8 +221,9 @@ def _bytes(e: _Entry) -> int:
 class Mirror:
     """The float64 shadows of the storages a program touched, and the version counters seen."""
 
-    def __init__(self, follow_reference: bool):
+    def __init__(self, follow_reference: bool, placement: Placement | None = None):
         self._follow_reference = follow_reference
+        self.place = placement if placement is not None else Placement()  # the shadow device of a device
         self._dtypes: dict[torch.dtype, torch.dtype | None] = {}
         self._entries: dict[int, _Entry] = {}
         self._empty: dict[int, StorageWeakRef] = {}  # uninitialized storages not read yet (empty's results)
@@ -153,16 +262,16 @@ class Mirror:
         return _region(e.base, t)
 
     def upcast(self, t: torch.Tensor) -> torch.Tensor:
-        """A CPU copy of t in its shadow dtype: exact for every floating dtype."""
+        """A copy of t in its shadow dtype on its shadow device: exact for every floating dtype."""
         sd = self.shadow_dtype(t.dtype) or t.dtype
         if t._is_zerotensor():
-            return torch.zeros(t.shape, dtype=sd)
-        return t.detach().to(device="cpu", dtype=sd, copy=True)
+            return torch.zeros(t.shape, dtype=sd, device=self.place(t.device))
+        return t.detach().to(device=self.place(t.device), dtype=sd, copy=True)
 
     def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()
         n = st.nbytes() // itemsize
-        base = _storage_values(t, n).to(device="cpu", dtype=self.shadow_dtype(t.dtype), copy=True)
+        base = _storage_values(t, n).to(device=self.place(t.device), dtype=self.shadow_dtype(t.dtype), copy=True)
         if old is None:
             self.adopted += 1
         elif old.itemsize == itemsize and old.nbytes < st.nbytes():
@@ -230,7 +339,7 @@ class Mirror:
         ):
             base = value.reshape(-1)
         else:  # the output does not cover its storage: the rest is what the device holds
-            base = _storage_values(t, n).to(device="cpu", dtype=sd, copy=True)
+            base = _storage_values(t, n).to(device=self.place(t.device), dtype=sd, copy=True)
             _write_region(base, t, value)
         covers = t.numel() == n
         new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,

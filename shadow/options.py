@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .errors import ShadowOptionError
+from .mirror import parse_shadow_device
 from .spot import SpotConfig
 
 FOLLOW = ("device", "reference")
@@ -26,6 +27,9 @@ class Options:
     callsites: bool = True  # record each call's line in the user's code (Record.callsite, Report.by_callsite)
     scope: Any = None  # modules whose calls (forward, backward, their parameters' optimizer calls) are shadowed
     max_shadow_bytes: int | None = None  # a cap on the bytes of float64 shadows held
+    # where shadows live and replays run: "auto" (a CUDA tensor's on its GPU when it has the memory, every other
+    # on the CPU), "cpu", or a device that computes float64 ("cuda", "cuda:1"); parsed into "auto" or a device
+    shadow_device: Any = "auto"
 
     def __post_init__(self) -> None:
         for name in ("local", "drift", "budgets", "compare_cpu", "callsites"):
@@ -49,3 +53,4 @@ class Options:
                 self.max_shadow_bytes, int) or self.max_shadow_bytes <= 0):
             raise ShadowOptionError(f"max_shadow_bytes={self.max_shadow_bytes!r}: expected None (no cap) or a "
                                     "number of bytes > 0 (8 GiB: 8 << 30)")
+        object.__setattr__(self, "shadow_device", parse_shadow_device(self.shadow_device))

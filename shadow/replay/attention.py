@@ -71,7 +71,7 @@ def _forward(r: Replay, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
     s = (q @ expand_kv(q, k).transpose(-2, -1)) * scale
     if r.arg("is_causal", False):  # top-left aligned, as F.scaled_dot_product_attention documents
         L, S = s.size(-2), s.size(-1)
-        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(), -math.inf)
     if bias is not None:
         s = s.masked_fill(~bias, -math.inf) if bias.dtype == torch.bool else s + bias
     lse = torch.logsumexp(s, -1)
@@ -83,7 +83,7 @@ def _device_like(x: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor | 
     """``value`` laid out as the device output x: logsumexp padding and extra dims are the device's."""
     if x is None:
         return None
-    out = x.detach().to(device="cpu", dtype=torch.float64 if x.is_floating_point() else x.dtype, copy=True)
+    out = x.detach().to(device=value.device, dtype=torch.float64 if x.is_floating_point() else x.dtype, copy=True)
     if not x.is_floating_point() or out.numel() == 0:
         return out
     if out.shape == value.shape:
@@ -96,9 +96,10 @@ def _device_like(x: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor | 
     return out
 
 
-def _adopt(x: Any) -> Any:
+def _adopt(x: Any, like: torch.Tensor) -> Any:
+    """A device output taken as it is, where the shadow ``like`` lives."""
     if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu")
+        return x.detach().to(like.device)
     return x
 
 
@@ -114,7 +115,7 @@ def sdpa_forward_rule(r: Replay) -> Any:
         return Kind.RANDOM, None
     a = _forward(r, r.arg("query"), r.arg("key"), r.arg("value"), r.arg("attn_bias"))
     dev = r.device_out
-    return Kind.REPLAYED, (a.out, _device_like(dev[1], a.lse)) + tuple(_adopt(x) for x in dev[2:])
+    return Kind.REPLAYED, (a.out, _device_like(dev[1], a.lse)) + tuple(_adopt(x, a.out) for x in dev[2:])
 
 
 @register_rule(*_ops("_scaled_dot_product_attention_math_for_mps"))
@@ -148,5 +149,5 @@ def sdpa_backward_rule(r: Replay) -> Any:
         db = None
         if dev[3] is not None and bias is not None and bias.dtype != torch.bool:
             db = _device_like(dev[3], ds.sum_to_size(bias.shape))
-        grads.append(db if db is not None else _adopt(dev[3]))
+        grads.append(db if db is not None else _adopt(dev[3], dq))
     return Kind.REPLAYED, tuple(grads)

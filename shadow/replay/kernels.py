@@ -62,7 +62,7 @@ if hasattr(aten, "mkldnn_rnn_layer"):
         out, h, c, _ = _lstm_steps(*a, r.arg("reverse"))
         workspace = r.device_out[3]  # None without autograd (eval, no_grad): oneDNN keeps no workspace then
         return Kind.DECOMPOSED, (out, h.reshape(hx.shape), c.reshape(hx.shape),
-                                 None if workspace is None else workspace.to("cpu", copy=True))
+                                 None if workspace is None else workspace.to(out.device, copy=True))
 
     @register_rule(aten.mkldnn_rnn_layer_backward.default)
     def mkldnn_lstm_layer_backward_rule(r: Replay) -> Any:
@@ -77,7 +77,7 @@ if hasattr(aten, "mkldnn_rnn_layer"):
         dc = torch.zeros_like(hx) if gcy is None else gcy.reshape(hx.shape).clone()
         dx = torch.zeros_like(x)
         dw_ih, dw_hh = torch.zeros_like(w_ih), torch.zeros_like(w_hh)
-        db = torch.zeros(w_hh.shape[0], dtype=x.dtype)
+        db = torch.zeros(w_hh.shape[0], dtype=x.dtype, device=x.device)
         for t, i, f, g, o, c_prev, tc, h_prev in reversed(saved):
             if gout is not None:
                 dh = dh + gout[t]

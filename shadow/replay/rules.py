@@ -59,7 +59,7 @@ def random_rule(r: Replay) -> Any:
 def native_dropout_rule(r: Replay) -> tuple[Kind, Any]:
     """Adopt the device's mask; the kept values come from the shadow input, so drift survives."""
     x, p, train = r.args[0], r.args[1], r.arg("train")
-    mask = r.device_out[1].to("cpu")
+    mask = r.device_out[1].to(x.device)  # where x's shadow lives
     if train is False:
         return Kind.REPLAYED, (x.clone(), mask)
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
