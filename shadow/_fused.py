@@ -6,6 +6,10 @@ maxima and counts equal the other paths' to the last bit: |y - r| is one roundin
 |y - r| times the inverse of the spacing unit, a power of two, which rounds exactly as the division by the
 unit does. Sums are float64 in index order within fixed-size chunks, the chunks' partials added in chunk
 order: the figures do not depend on the thread count. Complex results stay on ``compare``'s numpy path.
+
+The pass reads CPU memory: ``compare`` sends it references on the CPU only. A reference on a GPU
+(``ShadowMode(shadow_device=...)``) is compared there with torch ops (``metrics._compare_torch``), and only the
+figures come back; a device result beside a CPU reference is copied to the CPU first (``_on_cpu``).
 """
 
 from __future__ import annotations

@@ -146,14 +146,18 @@ _SMALL = 1 << 14  # without numba: below this per-call overhead dominates (numpy
 
 
 class _Scratch(threading.local):
-    """Reused float64/int64 buffers for large comparisons: a fresh 8 MB tensor costs ~10x its copy in
-    page faults. Thread-local, since backward can run on autograd's device threads."""
+    """Reused float64/int64 buffers for large comparisons on the CPU: a fresh 8 MB tensor costs ~10x its copy
+    in page faults. Thread-local, since backward can run on autograd's device threads. Other devices get fresh
+    buffers from their caching allocators."""
 
     def __init__(self) -> None:
         self.f = torch.empty(0, dtype=torch.float64)
         self.i = torch.empty(0, dtype=torch.int64)
 
-    def get(self, shape: torch.Size, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, shape: torch.Size, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device.type != "cpu":
+            return (torch.empty(shape, dtype=torch.float64, device=device),
+                    torch.empty(shape, dtype=torch.int64, device=device))
         if self.f.numel() < n:
             self.f = torch.empty(n, dtype=torch.float64)
             self.i = torch.empty(n, dtype=torch.int64)
@@ -177,15 +181,22 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.T
     n = r.numel()
     if n == 0:
         return ErrorStats() if bound is None else ErrorStats(budget_used=0.0)
+    complex_ = y.is_complex() or r.is_complex()
+    on_device = _off_cpu(r)  # a reference where the shadows live off the CPU (shadow_device=)
     # complex results: numpy (the modulus is a pass of its own; rare)
-    if n > _TINY and _fused is not None and not (y.is_complex() or r.is_complex()):
+    if n > _TINY and _fused is not None and not complex_ and not on_device:
         return _compare_fused(y, r, dtype, n, bound)
+    if bound is not None and on_device and bound.device != r.device and bound.dim():
+        bound = bound.to(r.device)  # a budget rule's CPU tensor (0-d ones mix with any device as they are)
     if bound is not None and bound.shape != r.shape:
         bound = bound.expand(r.shape)
     if n <= _TINY:
-        stats = _compare_python(_flat_list(y), _flat_list(r), dtype, n,
-                                None if bound is None else _flat_list(bound))
-    elif y.is_complex() or r.is_complex() or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
+        yl, rl, bl = _flat_lists(y, r, bound) if on_device else \
+            (_flat_list(y), _flat_list(r), None if bound is None else _flat_list(bound))
+        stats = _compare_python(yl, rl, dtype, n, bl)
+    elif on_device and not complex_:  # the torch passes where the reference lives, its figures read back once
+        stats = _compare_torch(y.detach(), r, dtype, n, bound)
+    elif complex_ or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
         stats = _compare_numpy(host(y).reshape(-1), host(r).reshape(-1), dtype, n,
                                None if bound is None else host(bound).reshape(-1))
     else:
@@ -196,9 +207,15 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.T
     return stats
 
 
+def _off_cpu(r: torch.Tensor) -> bool:
+    """Whether a reference lives off the CPU, where numba cannot read it (a function: tests take the device path
+    on the CPU by replacing it)."""
+    return r.device.type != "cpu"
+
+
 def _zero_references(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> None:
     """Count the elements whose reference is exactly 0 where the device is not, and the max ulp of the rest."""
-    yc = y.detach().to(device="cpu", dtype=r.dtype).reshape(-1)
+    yc = y.detach().to(device=r.device, dtype=r.dtype).reshape(-1)
     rc = r.reshape(-1)
     d = (yc - rc).abs()
     finite = torch.isfinite(d)
@@ -216,6 +233,17 @@ def _flat_list(t: torch.Tensor) -> list:
     if t.dim() == 1:
         return t.tolist()
     return [t.item()] if t.dim() == 0 else t.reshape(-1).tolist()
+
+
+def _flat_lists(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None) -> tuple[list, list, list | None]:
+    """``_flat_list`` of y, r (and the bound) of a reference off the CPU, read back in one transfer: y upcast
+    exactly to r's dtype beside r, where r lives."""
+    n = r.numel()
+    parts = [y.detach().to(device=r.device, dtype=r.dtype).reshape(-1), r.reshape(-1)]
+    if bound is not None:
+        parts.append(bound.to(device=r.device, dtype=r.dtype).reshape(-1))
+    values = torch.cat(parts).tolist()
+    return values[:n], values[n:2 * n], values[2 * n:] if bound is not None else None
 
 
 def _finish(stats: ErrorStats, m: float, nd: float, nr: float, ulp_unit_max: float, dtype: torch.dtype) -> ErrorStats:
@@ -328,34 +356,41 @@ def _norm(a: np.ndarray) -> float:
 
 def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
                    bound: torch.Tensor | None = None) -> ErrorStats:
-    """Large real results: nine passes over reused buffers (two more with a bound), on every core."""
-    d, e = _scratch.get(r.shape, n)
+    """Large real results, and every real result whose reference is off the CPU: nine passes (two more with a
+    bound) on r's device, on every core. The figures are computed whatever they show and read back together,
+    one host sync (the rare non-finite and 0/0 cases read more)."""
+    d, e = _scratch.get(r.shape, n, r.device)
     d.copy_(y)  # exact upcast, then the difference in place (a mixed-dtype sub is 3x slower)
     d.sub_(r)
-    lo, hi = torch.aminmax(d)
-    m = max(-lo.item(), hi.item())
+    figures = list(torch.aminmax(d))
+    if bound is not None:
+        q = torch.div(d, bound, out=e.view(torch.float64))
+        figures += torch.aminmax(q)
+    figures += [torch.linalg.vector_norm(d), torch.linalg.vector_norm(r)]
+    unit = torch.bitwise_and(r.view(torch.int64), _EXP_BITS, out=e).view(torch.float64)  # after q's pass
+    unit.clamp_min_(torch.finfo(dtype).tiny)  # spacing / 2**-p: a power of two, so the division is exact
+    figures += torch.aminmax(d.div_(unit))
+    values = torch.stack(figures).tolist()
+    lo, hi = values[0], values[1]
+    m = max(-lo, hi)
     stats = ErrorStats(n=n, budget_used=None if bound is None else 0.0)
     if m == 0.0:
         return stats
     if not math.isfinite(m):  # rare: redo it on the elements where both are finite
-        yc = y.to(device="cpu", dtype=torch.float64)
+        yc = y.to(device=r.device, dtype=torch.float64)
         both = _count_nonfinite(stats, yc, r, torch.isfinite, torch.isnan, lambda b: int(b.sum()))
         if not bool(both.any()):
             return stats
         return _compare_torch_finite(stats, yc[both], r[both], dtype, None if bound is None else bound[both])
     if bound is not None:
-        q = torch.div(d, bound, out=e.view(torch.float64))
-        lo, hi = torch.aminmax(q)
-        used = max(-lo.item(), hi.item())
+        used = max(-values[2], values[3])
         if math.isnan(used):  # 0/0: exact where the bound is 0 (rare: a second pass only then)
+            q = torch.div(y.to(device=r.device, dtype=torch.float64) - r, bound)
             lo, hi = torch.aminmax(q.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF))
             used = max(-lo.item(), hi.item())
         stats.budget_used = used
-    nd, nr = torch.linalg.vector_norm(d).item(), torch.linalg.vector_norm(r).item()
-    unit = torch.bitwise_and(r.view(torch.int64), _EXP_BITS, out=e).view(torch.float64)
-    unit.clamp_min_(torch.finfo(dtype).tiny)  # spacing / 2**-p: a power of two, so the division is exact
-    lo, hi = torch.aminmax(d.div_(unit))
-    return _finish(stats, m, nd, nr, max(-lo.item(), hi.item()), dtype)
+    nd, nr, ulo, uhi = values[-4:]
+    return _finish(stats, m, nd, nr, max(-ulo, uhi), dtype)
 
 
 def _compare_torch_finite(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype,
@@ -386,7 +421,7 @@ def count_flips(y: torch.Tensor, r: torch.Tensor) -> int:
     """Elements where a discrete (integer/bool) device result differs from the reference's."""
     if y.numel() == 0:
         return 0
-    y = y.to("cpu")
+    y = y.to(r.device)
     if y.shape != r.shape:
         return y.numel()
     return int((y != r).sum())

@@ -13,11 +13,12 @@ def _priority_order(priority: torch.Tensor | None, n: int) -> list[int]:
     """The flat positions of the ``n`` largest priorities (NaN ranks last), largest first."""
     if priority is None or n <= 0 or priority.numel() == 0:
         return []
-    p = priority.detach().reshape(-1).to("cpu", torch.float64)
+    p = priority.detach().reshape(-1).to(torch.float64)  # ranked where it lives: only positions come back
     if n == 1:  # the default: one pass, NaN (which argmax prefers) removed only where one wins
-        i = int(p.argmax())
-        if not math.isnan(p[i].item()):
-            return [i]
+        i = p.argmax()
+        i, top = torch.stack([i.to(torch.float64), p[i]]).tolist()
+        if not math.isnan(top):
+            return [int(i)]
     p = torch.nan_to_num(p, nan=-math.inf)
     return torch.topk(p, min(n, p.numel())).indices.tolist()
 
