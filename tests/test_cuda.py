@@ -1,4 +1,5 @@
-"""Shadowing on a real CUDA GPU: a training step, cuDNN's TF32 convolutions, and the fused attention kernels.
+"""Shadowing on a real CUDA GPU: a training step, cuDNN's TF32 convolutions, the fused attention kernels, and
+shadows kept on the GPU (``shadow_device``).
 
 Every test here is marked ``cuda`` and skips without a GPU, with the reason ``shadow.devices`` finds
 (``python -m pytest -m cuda tests/test_cuda.py`` on a GPU machine runs them).
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 
 from shadow import ShadowMode
 from shadow.devices import discover, numerics_settings
+from shadow.mirror import AUTO_FREE_SHARE
+from test_shadow_device import shadow_mode
 
 pytestmark = pytest.mark.cuda
 aten = torch.ops.aten
@@ -215,3 +218,83 @@ def test_fused_attention_kernels_are_replayed(backend, causal):
     q64, k64, v64 = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
     assert rel(sm.shadow_of(out), ref) < 1e-12
+
+
+# --- shadows on the GPU: ShadowMode(shadow_device="cuda" | "auto") ---
+def _close(a: float | None, b: float | None, rel_tol: float, abs_tol: float) -> bool:
+    return a == b or (a is not None and b is not None and abs(a - b) <= rel_tol * max(abs(a), abs(b)) + abs_tol)
+
+
+def test_gpu_shadows_give_the_cpu_shadows_figures():
+    """One device run watched by two ShadowModes at once (nested: both see the same device results), one keeping
+    its shadows on the CPU, one on the GPU. The shadows agree to float64 reassociation (1e-12: different kernels
+    sum in different orders); so do the figures: drift and local error are ~1e-7 relative, so a 1e-16 change of
+    the reference moves them by ~1e-9 of themselves (1e-6 leaves room), max ulp by ~1e-9 ulp."""
+    torch.manual_seed(0)
+    model = ConvAttnMLP().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    x = torch.randn(4, 3, 8, 8, device="cuda")
+    y = torch.randint(0, 10, (4,), device="cuda")
+    on_cpu, on_gpu = shadow_mode("cpu"), shadow_mode("cuda")
+    with tf32(False, False), on_cpu, on_gpu:
+        losses = _train(model, opt, x, y, 2)
+    for sm in (on_cpu, on_gpu):
+        cov = sm.report.coverage
+        assert cov.internal_errors == 0 and not cov.unsupported, cov
+    for p in model.parameters():  # where the shadows live
+        assert on_gpu._engine.mirror.known(p).base.device.type == "cuda"
+        assert on_cpu._engine.mirror.known(p).base.device.type == "cpu"
+        assert on_gpu.shadow_of(p).device.type == "cpu"  # shadow_of: a CPU copy wherever they live
+        assert rel(on_gpu.shadow_of(p), on_cpu.shadow_of(p)) < 1e-12
+    for lo in losses:
+        assert abs(on_gpu.shadow_of(lo).item() / on_cpu.shadow_of(lo).item() - 1) < 1e-12
+    a, b = on_cpu.report.records, on_gpu.report.records
+    assert [r.op for r in a] == [r.op for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.kind == rb.kind and ra.flips == rb.flips, (ra.op, ra.kind, rb.kind)
+        for name in ("drift", "local"):
+            sa, sb = getattr(ra, name), getattr(rb, name)
+            assert (sa is None) == (sb is None), (ra.op, name)
+            if sa is None:
+                continue
+            assert sa.nonfinite == sb.nonfinite, (ra.op, name)
+            assert _close(sa.rel_norm, sb.rel_norm, 1e-6, 1e-15), (ra.op, name, sa.rel_norm, sb.rel_norm)
+            assert _close(sa.max_abs, sb.max_abs, 1e-6, 1e-15 * max(sa.max_abs, 1.0)), (ra.op, name)
+            assert _close(sa.max_ulp, sb.max_ulp, 1e-6, 1e-6), (ra.op, name, sa.max_ulp, sb.max_ulp)
+        if ra.budget is not None and rb.budget is not None:
+            assert _close(ra.budget.used, rb.budget.used, 1e-6, 1e-9), (ra.op, ra.budget, rb.budget)
+
+
+def test_gpu_shadows_leave_the_device_results_unchanged():
+    """The device computes the same bits with shadows beside it on the GPU as without shadow (an MLP whose CUDA
+    kernels are deterministic: cuBLAS on one stream, elementwise ops, SGD)."""
+    def run(mode) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, t = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
+        with mode if mode is not None else contextlib.nullcontext():
+            for _ in range(3):
+                opt.zero_grad()
+                F.mse_loss(model(x), t).backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = run(None)
+    sm = shadow_mode("cuda")
+    shadowed = run(sm)
+    assert all(torch.equal(a, b) for a, b in zip(plain, shadowed))
+    assert sm.report.coverage.internal_errors == 0
+
+
+def test_auto_keeps_shadows_on_a_gpu_with_room():
+    """"auto" (the default) decides once per device, at the first tensor it sees there: the GPU when at least
+    AUTO_FREE_SHARE of its memory is free."""
+    free, total = torch.cuda.mem_get_info()
+    expected = "cuda" if free >= AUTO_FREE_SHARE * total else "cpu"
+    x = torch.randn(64, device="cuda")
+    with ShadowMode() as sm:
+        y = (x * 3).sum()
+    assert sm._engine.mirror.known(x).base.device.type == expected, (free, total)
+    assert sm._engine.mirror.place.resolved == {x.device: x.device if expected == "cuda" else torch.device("cpu")}
+    assert sm.shadow_of(y).item() == pytest.approx((x.double() * 3).sum().item(), rel=1e-15)
