@@ -1,10 +1,12 @@
 """Shadow's overhead, as ratios measured in one run (never a timed test).
 
     python benchmarks/overhead.py            # CPU fp32, the issue's two models + per-op overhead
-    python benchmarks/overhead.py --device cuda
+    python benchmarks/overhead.py --device cuda                       # shadows where "auto" puts them
+    python benchmarks/overhead.py --device cuda --shadow-device cpu   # against shadows kept on the CPU
 
-For each model (Adam, a training step): the native step, the same step in float64 on the CPU (model and
-data converted; that is where shadow replays, whatever the device), and shadowed steps with drift only and with drift + local error. The targets compare the
+For each model (Adam, a training step): the native step, the same step in float64 where shadow replays (model
+and data converted; the CPU, or the GPU with ``--shadow-device cuda`` or "auto" on a GPU with room), and
+shadowed steps with drift only and with drift + local error. The targets compare the
 shadowed step with what it must at least do: ``drift / (native + f64)`` and ``both / (native + 2 f64)``.
 Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops. Memory: the bytes of live
 shadows over the device bytes they mirror, right after a step.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import platform
 import statistics
@@ -25,6 +28,7 @@ import torch.nn as nn
 
 from shadow import ShadowMode
 from shadow import engine as shadow_engine
+from shadow.options import Options
 
 
 def mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -46,8 +50,27 @@ MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer}
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def shadow_mode(shadow_device: str, **options) -> ShadowMode:
+    """ShadowMode(shadow_device=..., **options); through its options where ShadowMode does not take the keyword."""
+    try:
+        return ShadowMode(shadow_device=shadow_device, **options)
+    except TypeError:
+        sm = ShadowMode(**options)
+        sm.options = dataclasses.replace(sm.options, shadow_device=shadow_device)
+        sm.reset()  # the engine, and where it puts shadows, are built from the options here
+        return sm
+
+
+def replay_device(device: str, shadow_device: str) -> str:
+    """Where shadow replays the device's ops: the float64 baseline runs there."""
+    from shadow.mirror import Placement
+
+    d = torch.empty(0, device=device).device
+    return str(Placement(Options(shadow_device=shadow_device).shadow_device)(d))
 
 
 def _step_fn(model: nn.Module, x: torch.Tensor):
@@ -87,18 +110,19 @@ class _nullctx:
         return None
 
 
-def bench_model(name: str, device: str, reps: int) -> dict:
+def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") -> dict:
     """Every configuration steps twice per round, in turn, the second step timed, for ``reps`` rounds (after a
     warm-up round): a slow spell of the machine then slows every configuration alike, and the medians keep
     the ratios."""
     torch.manual_seed(0)
     model, x = MODELS[name]()
     model, x = model.to(device), x.to(device)
-    # the float64 step runs where shadow replays: on the CPU, whatever the device
-    f64_model, f64_x = copy.deepcopy(model).to("cpu", torch.float64), x.to("cpu", torch.float64)
-    modes = {"drift": ShadowMode(**DRIFT), "both": ShadowMode(**BOTH),
-             "budgets": ShadowMode(**{**BOTH, "budgets": True}), "full": ShadowMode()}
-    configs = {"native": (_step_fn(model, x), device, None), "f64": (_step_fn(f64_model, f64_x), "cpu", None)}
+    # the float64 step runs where shadow replays
+    f64_device = replay_device(device, shadow_device)
+    f64_model, f64_x = copy.deepcopy(model).to(f64_device, torch.float64), x.to(f64_device, torch.float64)
+    modes = {"drift": shadow_mode(shadow_device, **DRIFT), "both": shadow_mode(shadow_device, **BOTH),
+             "budgets": shadow_mode(shadow_device, **{**BOTH, "budgets": True}), "full": shadow_mode(shadow_device)}
+    configs = {"native": (_step_fn(model, x), device, None), "f64": (_step_fn(f64_model, f64_x), f64_device, None)}
     configs.update({k: (_step_fn(copy.deepcopy(model), x), device, m) for k, m in modes.items()})
     times: dict[str, list[float]] = {k: [] for k in configs}
     with _timing_spot_checks(modes["full"]) as spot_s:
@@ -158,7 +182,7 @@ def _timing_spot_checks(mode: ShadowMode):
         shadow_engine._condition = condition
 
 
-def bench_per_op(device: str, n: int = 2000, reps: int = 5) -> dict:
+def bench_per_op(device: str, n: int = 2000, reps: int = 5, shadow_device: str = "auto") -> dict:
     """Framework overhead per op on tiny tensors (4 elements): everything shadow adds to one op call."""
     x = torch.randn(4, device=device)
 
@@ -168,8 +192,8 @@ def bench_per_op(device: str, n: int = 2000, reps: int = 5) -> dict:
             y = y * 1.0001
 
     native = _time(chain, device, reps)
-    drift = _time(chain, device, reps, ShadowMode(**DRIFT))
-    both = _time(chain, device, reps, ShadowMode(**BOTH))
+    drift = _time(chain, device, reps, shadow_mode(shadow_device, **DRIFT))
+    both = _time(chain, device, reps, shadow_mode(shadow_device, **BOTH))
     return {
         "native_us": native / n * 1e6,
         "drift_overhead_us": (drift - native) / n * 1e6,  # target <= 30
@@ -180,14 +204,18 @@ def bench_per_op(device: str, n: int = 2000, reps: int = 5) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--shadow-device", default="auto",
+                    help="where shadows live: auto (default: a GPU with room, else the CPU), cpu, cuda, cuda:1")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (median kept)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
     dev_name = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, device {args.device} ({dev_name}), {torch.get_num_threads()} threads")
-    rows = [bench_model(name, args.device, args.reps) for name in MODELS]
+    replay = replay_device(args.device, args.shadow_device)
+    print(f"torch {torch.__version__}, device {args.device} ({dev_name}), {torch.get_num_threads()} threads, "
+          f"shadow_device={args.shadow_device!r}: shadows and replays on {replay}")
+    rows = [bench_model(name, args.device, args.reps, args.shadow_device) for name in MODELS]
     for r in rows:
         print(
             f"{r['model']:<30} native {r['native_ms']:8.1f} ms  f64 {r['f64_ms']:8.1f} ms  "
@@ -200,7 +228,7 @@ def main() -> None:
             f"+ default spot checks {r['full_ms']:8.1f} ms ({r['spot_share']:.0%} of the step; timed inside it: "
             f"{r['spot_in_step']:.0%})"
         )
-    per_op = bench_per_op(args.device)
+    per_op = bench_per_op(args.device, shadow_device=args.shadow_device)
     print(
         f"per-op overhead (4-element tensors): native {per_op['native_us']:.1f} us/op, "
         f"drift +{per_op['drift_overhead_us']:.1f} us, drift+local +{per_op['both_overhead_us']:.1f} us"
@@ -208,6 +236,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": args.device, "device_name": dev_name,
+                       "shadow_device": args.shadow_device, "replay_device": replay,
                        "models": rows, "per_op": per_op}, f, indent=1)
 
 
