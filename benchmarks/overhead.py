@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import json
 import platform
 import statistics
@@ -52,17 +51,6 @@ MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer}
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def shadow_mode(shadow_device: str, **options) -> ShadowMode:
-    """ShadowMode(shadow_device=..., **options); through its options where ShadowMode does not take the keyword."""
-    try:
-        return ShadowMode(shadow_device=shadow_device, **options)
-    except TypeError:
-        sm = ShadowMode(**options)
-        sm.options = dataclasses.replace(sm.options, shadow_device=shadow_device)
-        sm.reset()  # the engine, and where it puts shadows, are built from the options here
-        return sm
 
 
 def replay_device(device: str, shadow_device: str) -> str:
@@ -120,8 +108,9 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
     # the float64 step runs where shadow replays
     f64_device = replay_device(device, shadow_device)
     f64_model, f64_x = copy.deepcopy(model).to(f64_device, torch.float64), x.to(f64_device, torch.float64)
-    modes = {"drift": shadow_mode(shadow_device, **DRIFT), "both": shadow_mode(shadow_device, **BOTH),
-             "budgets": shadow_mode(shadow_device, **{**BOTH, "budgets": True}), "full": shadow_mode(shadow_device)}
+    at = dict(shadow_device=shadow_device)
+    modes = {"drift": ShadowMode(**at, **DRIFT), "both": ShadowMode(**at, **BOTH),
+             "budgets": ShadowMode(**at, **{**BOTH, "budgets": True}), "full": ShadowMode(**at)}
     configs = {"native": (_step_fn(model, x), device, None), "f64": (_step_fn(f64_model, f64_x), f64_device, None)}
     configs.update({k: (_step_fn(copy.deepcopy(model), x), device, m) for k, m in modes.items()})
     times: dict[str, list[float]] = {k: [] for k in configs}
@@ -192,8 +181,8 @@ def bench_per_op(device: str, n: int = 2000, reps: int = 5, shadow_device: str =
             y = y * 1.0001
 
     native = _time(chain, device, reps)
-    drift = _time(chain, device, reps, shadow_mode(shadow_device, **DRIFT))
-    both = _time(chain, device, reps, shadow_mode(shadow_device, **BOTH))
+    drift = _time(chain, device, reps, ShadowMode(shadow_device=shadow_device, **DRIFT))
+    both = _time(chain, device, reps, ShadowMode(shadow_device=shadow_device, **BOTH))
     return {
         "native_us": native / n * 1e6,
         "drift_overhead_us": (drift - native) / n * 1e6,  # target <= 30

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from shadow import ShadowMode
 from shadow.devices import discover, numerics_settings
 from shadow.mirror import AUTO_FREE_SHARE
-from test_shadow_device import shadow_mode
 
 pytestmark = pytest.mark.cuda
 aten = torch.ops.aten
@@ -235,7 +234,7 @@ def test_gpu_shadows_give_the_cpu_shadows_figures():
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
     x = torch.randn(4, 3, 8, 8, device="cuda")
     y = torch.randint(0, 10, (4,), device="cuda")
-    on_cpu, on_gpu = shadow_mode("cpu"), shadow_mode("cuda")
+    on_cpu, on_gpu = ShadowMode(shadow_device="cpu"), ShadowMode(shadow_device="cuda")
     with tf32(False, False), on_cpu, on_gpu:
         losses = _train(model, opt, x, y, 2)
     for sm in (on_cpu, on_gpu):
@@ -281,7 +280,7 @@ def test_gpu_shadows_leave_the_device_results_unchanged():
         return [p.detach().clone() for p in model.parameters()]
 
     plain = run(None)
-    sm = shadow_mode("cuda")
+    sm = ShadowMode(shadow_device="cuda")
     shadowed = run(sm)
     assert all(torch.equal(a, b) for a, b in zip(plain, shadowed))
     assert sm.report.coverage.internal_errors == 0

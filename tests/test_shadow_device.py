@@ -9,7 +9,6 @@ read back once) runs on the CPU by replacing ``metrics._off_cpu``. tests/test_cu
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 import shadow.mirror as mirror_module
 from shadow import ShadowMode, metrics
-from shadow.engine import Engine, Prepared, _remap
+from shadow.engine import Prepared, _remap
 from shadow.errors import ShadowOptionError
 from shadow.mirror import AUTO_FREE_SHARE, CPU, Mirror, Placement, parse_shadow_device, resolve_auto
 from shadow.options import Options
@@ -29,17 +28,6 @@ from shadow.plan import plan_of
 aten = torch.ops.aten
 META = torch.device("meta")
 GiB = 1 << 30
-
-
-def shadow_mode(shadow_device, **options) -> ShadowMode:
-    """``ShadowMode(shadow_device=..., **options)``; through its options where this ShadowMode does not take the
-    keyword (shadow/modes/shadow.py names its keywords one by one)."""
-    if "shadow_device" in inspect.signature(ShadowMode.__init__).parameters:
-        return ShadowMode(shadow_device=shadow_device, **options)
-    sm = ShadowMode(**options)
-    sm.options = dataclasses.replace(sm.options, shadow_device=shadow_device)
-    sm.reset()  # the engine (and its mirror's placement) are built from the options here
-    return sm
 
 
 # --- the option ---
@@ -143,9 +131,9 @@ def test_a_chosen_device_is_every_shadows_device(monkeypatch):
 
 
 def test_the_options_reach_the_placement():
-    eng = shadow_mode("cpu")._engine
+    eng = ShadowMode(shadow_device="cpu")._engine
     assert eng.mirror.place.fixed == CPU
-    sm = shadow_mode("auto", max_shadow_bytes=5 * GiB)
+    sm = ShadowMode(shadow_device="auto", max_shadow_bytes=5 * GiB)
     assert sm._engine.mirror.place.choice == "auto" and sm._engine.mirror.place.min_free == 5 * GiB
 
 
@@ -238,7 +226,7 @@ def _step_records(sm: ShadowMode) -> list:
 
 
 def test_cpu_shadows_give_the_default_figures():
-    default, cpu = _step_records(ShadowMode()), _step_records(shadow_mode("cpu"))
+    default, cpu = _step_records(ShadowMode()), _step_records(ShadowMode(shadow_device="cpu"))
     assert len(default) > 50 and default == cpu
 
 

@@ -37,7 +37,7 @@ def split_rounding(rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, torch.Ten
     d, r = o.device, o.reference
     if not isinstance(r, torch.Tensor) or r.shape != d.shape:
         return None
-    y = d.detach().to("cpu", torch.float64)
+    y = d.detach().to(r.device, torch.float64)
     rounded = correctly_rounded(y, r, d.dtype)
     return y - rounded, rounded - r
 
@@ -100,6 +100,7 @@ class Adjoints:
                 if scalar:
                     self.seeds[index] = float(adj.reshape(-1)[0])
                 if errors is not None and adj.shape == errors[0].shape:
+                    adj = adj.to(errors[0].device)
                     sums = self.contributions.setdefault(index, [0.0] * len(errors))
                     for i, e in enumerate(errors):
                         sums[i] += float(torch.sum(adj * e))

@@ -192,7 +192,7 @@ def _conv_magnitude(x: torch.Tensor, w: torch.Tensor, a: dict, scale: float = 1.
         wn = w.abs().square().reshape(groups, c_out // groups, -1).sum(-1)  # [g, C_out/g]
     N, c_in = x.shape[0], x.shape[1]
     xs = x.abs().square().reshape(N, groups, c_in // groups, *x.shape[2:]).sum(2)  # [N, g, *in]
-    xn = conv(xs, torch.ones((groups, 1, *ks), dtype=torch.float64), None).sqrt_()  # [N, g, *out]
+    xn = conv(xs, torch.ones((groups, 1, *ks), dtype=torch.float64, device=xs.device), None).sqrt_()  # [N, g, *out]
     spatial = xn.shape[2:]
     xn = xn.reshape(N, groups, 1, *spatial)
     wn = (wn.sqrt() * scale).reshape(1, groups, c_out // groups, *([1] * len(spatial)))
@@ -264,8 +264,8 @@ def conv_backward_budget(c: BudgetCall) -> Budget:
             mi = mw = mb = None
             if is_float(outs[0]):
                 ones = torch.ones((groups, c_out // groups, *ks) if transposed else (c_out, 1, *ks),
-                                  dtype=torch.float64)
-                dummy = torch.zeros((N, groups, *x.shape[2:]), dtype=torch.float64)
+                                  dtype=torch.float64, device=gy.device)
+                dummy = torch.zeros((N, groups, *x.shape[2:]), dtype=torch.float64, device=gy.device)
                 win = aten.convolution_backward.default(gy.abs().square(), dummy, ones, None, *args[1:],
                                                         [True, False, False])[0].sqrt()  # [N, g, *in]
                 if transposed:
@@ -389,7 +389,7 @@ def unbounded_budget(c: BudgetCall) -> Budget:
     """Linear algebra (solves, factorizations, eigen/singular values, inverses): the error of a correct
     implementation scales with the condition number, which the shapes do not give: bound = inf."""
     return c.budget("unbounded", lambda: [torch.full_like(r, math.inf, dtype=torch.float64) if is_float(r) and not
-                                          r.is_complex() else (torch.full(r.shape, math.inf, dtype=torch.float64)
+                                          r.is_complex() else (torch.full(r.shape, math.inf, dtype=torch.float64, device=r.device)
                                                                if is_float(r) else None) for r in c.outputs])
 
 

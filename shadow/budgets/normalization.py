@@ -65,7 +65,8 @@ class _NormView:
 def _absmax(t: torch.Tensor, dims: Sequence[int], center: Any = 0.0) -> torch.Tensor:
     """max |t - center| over dims (keepdim), from two read-only reductions; 0 for empty groups."""
     if t.numel() == 0:
-        return torch.zeros([1 if i in dims else s for i, s in enumerate(t.shape)], dtype=torch.float64)
+        return torch.zeros([1 if i in dims else s for i, s in enumerate(t.shape)], dtype=torch.float64,
+                           device=t.device)
     return torch.maximum(t.amax(dims, keepdim=True) - center, center - t.amin(dims, keepdim=True))
 
 

@@ -97,7 +97,7 @@ def cumsum_budget(c: BudgetCall) -> Budget:
         # summed over outputs, sum_j (n - j + 1) r_j**2
         rr = _at_least_1d(r)
         d = dim % rr.dim()
-        w = torch.arange(n, 0, -1, dtype=torch.float64).reshape([n if i == d else 1 for i in range(rr.dim())])
+        w = torch.arange(n, 0, -1, dtype=torch.float64, device=rr.device).reshape([n if i == d else 1 for i in range(rr.dim())])
         return sumsq(x) + c.out_rounding_sq(sumsq(r)), float(torch.nansum(rr.square() * w))
 
     return c.budget("reduction", lambda: [torch.add(c.final(r), _at_least_1d(x).abs().cumsum(dim).reshape(x.shape),

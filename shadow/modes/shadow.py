@@ -32,7 +32,8 @@ class _ShadowDispatch(TorchDispatchMode):
 
 
 class ShadowMode:
-    """Replay every aten op in float64 on the CPU and record each op's error and the drift since the start.
+    """Replay every aten op in float64 (on the CPU, or on a GPU that computes float64 natively: ``shadow_device``)
+    and record each op's error and the drift since the start.
 
     >>> with ShadowMode() as sm:
     ...     loss = model(x).sum(); loss.backward(); opt.step()      # doctest: +SKIP
@@ -57,10 +58,12 @@ class ShadowMode:
         callsites: bool = True,  # record each call's line in the user's code: record.callsite, report.by_callsite
         scope: Any = None,  # [module, ...]: shadow only their calls (forward, backward, optimizer); adopt the rest
         max_shadow_bytes: int | None = None,  # fail (ShadowMemoryError) before shadows would exceed this
+        shadow_device: Any = "auto",  # where shadows live and replay: "auto", "cpu", or a float64 device ("cuda")
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
                                spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu,
-                               callsites=callsites, scope=scope, max_shadow_bytes=max_shadow_bytes)
+                               callsites=callsites, scope=scope, max_shadow_bytes=max_shadow_bytes,
+                               shadow_device=shadow_device)
         self._active = 0
         self.reset()
 
