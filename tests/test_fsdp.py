@@ -1,0 +1,369 @@
+"""FSDP and the list and coalesced collectives under ShadowMode: two ranks on the CPU (gloo, 127.0.0.1),
+started by torch.multiprocessing, each run bounded in time.
+
+FSDP: the parameters' shadows after 3 AdamW steps must equal a single-process float64 run over the global
+batch (FSDP1 ``FullyShardedDataParallel(device_id=cpu)`` on every torch; FSDP2 ``fully_shard`` where it runs
+on the CPU). List and coalesced forms: each public call reaching them on gloo is replayed, its local error
+is that of a float32 reduction, and its shadow is the float64 reduction of the ranks' inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from test_distributed import WORLD, _batch, _free_port, _model
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+STEPS, LR = 3, 0.01
+JOIN_S = 180  # one run of two ranks, bounded
+c10d = torch.ops.c10d
+
+# gloo completes reduce_scatter_tensor (alone or coalesced) in work.wait(), in the caller's thread and under the
+# mode: aten.split of a backend temporary, then aten.copy_ into the output. The engine judges the deferred call
+# at that copy_, before the output is written (local error ~1e20..1e42 ulp: uninitialized memory), and the
+# copy_'s replay adopts the temporary's float32 sums as the output's shadow (the shadow reduction is lost).
+# The fix is the engine's (a deferred call's completion writes), not a rule's: docs/distributed.md.
+GLOO_WAIT_COPY = pytest.mark.xfail(strict=True, reason="gloo writes reduce_scatter_tensor's output by an aten.copy_ "
+                                   "at wait(): judged too early, shadow adopted (engine)")
+_XFAIL = {"reduce_scatter_tensor", "coalesced_reduce_scatter_tensor"}
+
+
+def _launch(worker, tmp_path, *args) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(_free_port(), str(tmp_path), *args), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + JOIN_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"two-rank run did not finish in {JOIN_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _init(rank: int, port: int) -> None:
+    from datetime import timedelta
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+
+
+# --- what this torch and this shadow can run ---
+def _mirrored(op, arg: str) -> bool:
+    """Whether shadow's op plan gives the rules of ``op`` its output ``arg`` as shadows it commits (the rule
+    refuses the op otherwise: shadow.replay.collectives._mirrored)."""
+    from shadow.errors import Unsupported
+    from shadow.plan import plan_of
+    from shadow.replay.collectives import _mirrored as check
+    from shadow.replay.table import Replay
+
+    try:
+        check(Replay(plan_of(op), [], {}, None), arg)
+    except Unsupported:
+        return False
+    return True
+
+
+def _need_mirrored(op, arg: str) -> None:
+    if not _mirrored(op, arg):
+        pytest.skip(f"{op}: shadow's op plan does not mirror its output {arg!r} (Tensor[][] arguments or "
+                    "undeclared writes of c10d ops are not walked by shadow.plan); the rule refuses it")
+
+
+@functools.cache
+def _unwraps_subclasses() -> bool:
+    """Whether ShadowMode lets a tensor wrapper subclass (DTensor, the parameters of fully_shard) unwrap
+    itself; probed in a child process: a ShadowMode that reads a wrapper's storage crashes it (SIGSEGV)."""
+    code = ("import torch\nfrom torch.testing._internal.two_tensor import TwoTensor\nfrom shadow import ShadowMode\n"
+            "a = TwoTensor(torch.ones(3), torch.ones(3))\nwith ShadowMode():\n    b = a * 2\n"
+            "assert b.a.tolist() == [2.0] * 3\n")
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _fully_shard():
+    """FSDP2's fully_shard where it runs on the CPU: the public torch.distributed.fsdp.fully_shard (torch 2.6
+    on). torch 2.4's torch.distributed._composable.fsdp.fully_shard creates a torch.cuda.Stream at its lazy
+    init (FSDPCommContext.init) whatever the device: it needs CUDA."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return None
+    return fully_shard
+
+
+# --- FSDP ---
+def _fsdp_worker(rank: int, port: int, outdir: str, flavour: str) -> None:
+    _init(rank, port)
+    try:
+        from shadow import ShadowMode
+
+        model = _model()
+        if flavour == "fsdp2":
+            fully_shard = _fully_shard()
+            fully_shard(model[0])
+            fully_shard(model[2])
+            wrapped = fully_shard(model)
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            # device_id=cpu: without it FSDP1 looks for an accelerator (torch 2.13: "FSDP needs a non-CPU
+            # accelerator device"; torch 2.4: torch.cuda.current_device())
+            wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+        x, y = _batch()
+        x, y = x[rank::WORLD], y[rank::WORLD]
+        with ShadowMode() as sm:
+            for _ in range(STEPS):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(wrapped(x), y).backward()
+                opt.step()
+            if flavour == "fsdp1":  # the full parameters, gathered (allgather_) under the mode
+                with FullyShardedDataParallel.summon_full_params(wrapped):
+                    shadows = {n.replace("_fsdp_wrapped_module.", ""): sm.shadow_of(p)
+                               for n, p in wrapped.named_parameters()}
+        if flavour == "fsdp2":  # each rank's dim-0 shard of every DTensor parameter
+            shadows = {n: sm.shadow_of(p._local_tensor) for n, p in model.named_parameters()}
+        torch.save(shadows, os.path.join(outdir, f"shadows{rank}.pt"))
+        sm.report.save(os.path.join(outdir, f"report{rank}.json"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _adamw_reference() -> dict[str, torch.Tensor]:
+    """The same steps in float64 in one process over the global batch (FSDP averages the ranks' gradients of
+    their mean losses over equal halves: the gradient of the global mean)."""
+    model = _model().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = _batch()
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.double()), y.double()).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _check_fsdp(tmp_path, flavour: str) -> list:
+    from shadow import load_report
+
+    _launch(_fsdp_worker, tmp_path, flavour)
+    shadows = [torch.load(tmp_path / f"shadows{r}.pt", weights_only=True) for r in range(WORLD)]
+    reports = [load_report(tmp_path / f"report{r}.json") for r in range(WORLD)]
+    ref = _adamw_reference()
+    for name, r in ref.items():
+        got = [sh[name] for sh in shadows]
+        if flavour == "fsdp2":
+            got = [torch.cat(got)]  # Shard(0): torch.chunk's pieces, rank after rank
+        for rank, g in enumerate(got):
+            rel = float((g - r).norm() / r.norm())
+            assert rel <= 1e-12, f"{flavour} {name} (rank {rank}): shadow off the float64 run by {rel:.2e} relative"
+    for rep in reports:
+        calls = [rec for rec in rep.records if rec.op.startswith("c10d.")]
+        assert calls and all(c.kind.value == "replayed" for c in calls), {c.op: c.kind.value for c in calls}
+        assert not [op for op in rep.coverage.unsupported if op.startswith("c10d.")]
+        assert rep.coverage.internal_errors == 0
+    return reports
+
+
+@GLOO_WAIT_COPY
+def test_fsdp1_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
+    _need_mirrored(c10d.allgather_.default, "output_tensors")  # FSDP1's all-gather on gloo is the list form
+    reports = _check_fsdp(tmp_path, "fsdp1")
+    for rep in reports:
+        ops = {rec.op for rec in rep.records if rec.op.startswith("c10d.")}
+        assert ops == {"c10d.allgather_.default", "c10d._reduce_scatter_base_.default"}, ops
+        # the float32 all-gather moves values: no error of its own
+        assert all(c.local.max_abs == 0 for c in rep.find(op="c10d.allgather_.default"))
+        # reduce-scatter of float32 gradients: a sum of two float32 values (pre-divided by 2, exact), half an ulp
+        assert all(c.local.max_ulp <= 0.5 for c in rep.find(op="c10d._reduce_scatter_base_.default"))
+
+
+@GLOO_WAIT_COPY
+def test_fsdp2_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
+    if _fully_shard() is None:
+        pytest.skip("FSDP2 needs CUDA on this torch: torch.distributed._composable.fsdp.fully_shard creates a "
+                    "torch.cuda.Stream at its lazy init; torch.distributed.fsdp.fully_shard (CPU-capable) is "
+                    "missing")
+    if not _unwraps_subclasses():
+        pytest.skip("ShadowMode does not let tensor wrapper subclasses unwrap (fully_shard's DTensor parameters):"
+                    " a rank crashes reading a DTensor's storage")
+    reports = _check_fsdp(tmp_path, "fsdp2")
+    for rep in reports:
+        ops = {rec.op for rec in rep.records if rec.op.startswith("c10d.")}
+        assert ops == {"c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"}, ops
+        # forward and backward all-gathers of two units each step, one reduce-scatter per unit
+        assert len(rep.find(op="c10d._allgather_base_.default")) == 4 * STEPS
+        assert len(rep.find(op="c10d._reduce_scatter_base_.default")) == 2 * STEPS
+
+
+# --- list and coalesced forms ---
+N = 6  # elements per input tensor
+
+
+def _inputs(rank: int) -> list[torch.Tensor]:
+    """Two float32 inputs per rank, different on each rank (sums round in float32)."""
+    g = torch.Generator().manual_seed(10 + rank)
+    return [torch.randn(N, generator=g), torch.randn(2 * N, generator=g)]
+
+
+def _coalesced(calls) -> None:
+    with dist._coalescing_manager(async_ops=True) as cm:
+        calls()
+    cm.wait()
+
+
+def _call(case: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run one public call on the user's group; its outputs."""
+    a, b = xs
+    if case == "all_gather":
+        outs = [torch.empty(N) for _ in range(WORLD)]
+        dist.all_gather(outs, a)
+        return outs
+    if case == "reduce_scatter":
+        out = torch.empty(N)
+        dist.reduce_scatter(out, list(b.chunk(WORLD)))
+        return [out]
+    if case == "all_reduce_coalesced":
+        dist.all_reduce_coalesced([a, b])
+        return [a, b]
+    if case == "coalesced_all_reduce":
+        _coalesced(lambda: [dist.all_reduce(t, async_op=True) for t in (a, b)])
+        return [a, b]
+    if case == "coalesced_all_gather_into_tensor":
+        outs = [torch.empty(WORLD * N), torch.empty(WORLD * 2 * N)]
+        _coalesced(lambda: [dist.all_gather_into_tensor(o, t, async_op=True) for o, t in zip(outs, xs)])
+        return outs
+    if case == "all_gather_into_tensor":
+        out = torch.empty(WORLD * N)
+        dist.all_gather_into_tensor(out, a)
+        return [out]
+    if case == "reduce_scatter_tensor":
+        out = torch.empty(N)
+        dist.reduce_scatter_tensor(out, b)
+        return [out]
+    if case == "coalesced_reduce_scatter_tensor":
+        outs = [torch.empty(N // WORLD), torch.empty(N)]
+        _coalesced(lambda: [dist.reduce_scatter_tensor(o, t, async_op=True) for o, t in zip(outs, xs)])
+        return outs
+    raise ValueError(case)
+
+
+def _expected(case: str, rank: int) -> list[torch.Tensor]:
+    """The float64 result of ``case`` on ``rank``: sums of float32 values, exact in float64."""
+    xs = [[t.double() for t in _inputs(r)] for r in range(WORLD)]
+    total = [sum(x[i] for x in xs) for i in range(2)]
+    if case == "all_gather":
+        return [x[0] for x in xs]
+    if case == "reduce_scatter":
+        return [total[1].chunk(WORLD)[rank]]
+    if case in ("all_reduce_coalesced", "coalesced_all_reduce"):
+        return total
+    if case == "coalesced_all_gather_into_tensor":
+        return [torch.cat([x[i] for x in xs]) for i in range(2)]
+    if case == "all_gather_into_tensor":
+        return [torch.cat([x[0] for x in xs])]
+    if case == "reduce_scatter_tensor":
+        return [total[1].chunk(WORLD)[rank]]
+    return [t.chunk(WORLD)[rank] for t in total]
+
+
+CASES = {  # case -> (the c10d op it dispatches on gloo, that op's output argument)
+    "all_gather_into_tensor": (c10d._allgather_base_.default, "output_tensor"),
+    "reduce_scatter_tensor": (c10d._reduce_scatter_base_.default, "output_tensor"),
+    "all_gather": (c10d.allgather_.default, "output_tensors"),
+    "reduce_scatter": (c10d.reduce_scatter_.default, "output_tensors"),
+    "all_reduce_coalesced": (c10d.allreduce_coalesced_.default, "tensors"),
+    "coalesced_all_reduce": (c10d.allreduce_coalesced_.default, "tensors"),
+    "coalesced_all_gather_into_tensor": (c10d.allgather_into_tensor_coalesced_.default, "outputs"),
+    "coalesced_reduce_scatter_tensor": (c10d.reduce_scatter_tensor_coalesced_.default, "outputs"),
+}
+
+
+def _collectives_worker(rank: int, port: int, outdir: str) -> None:
+    _init(rank, port)
+    try:
+        import warnings
+
+        from shadow import ShadowMode
+
+        results = {}
+        for case in CASES:
+            xs = _inputs(rank)
+            try:
+                with warnings.catch_warnings():  # all_reduce_coalesced is deprecated
+                    warnings.simplefilter("ignore")
+                    with ShadowMode() as sm:
+                        outs = _call(case, xs)
+                        outs = [o + 0 for o in outs]  # read: the call is judged now
+            except RuntimeError as exc:  # the device's collective itself failed (gloo lacks it)
+                results[case] = {"error": str(exc).splitlines()[0]}
+                dist.barrier()
+                continue
+            recs = [r for r in sm.report.records if r.op.startswith("c10d.")]
+            results[case] = {
+                "ops": [r.op for r in recs], "kinds": [r.kind.value for r in recs],
+                "reasons": dict(sm.report.coverage.unsupported),
+                "local_ulp": [r.local.max_ulp if r.local is not None else None for r in recs],
+                "shadows": [sm.shadow_of(o) for o in outs], "device": [o.clone() for o in outs],
+            }
+        torch.save(results, os.path.join(outdir, f"collectives{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory) -> list[dict]:
+    """Every case run once, in one two-rank launch."""
+    tmp = tmp_path_factory.mktemp("collectives")
+    _launch(_collectives_worker, tmp)
+    return [torch.load(tmp / f"collectives{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=GLOO_WAIT_COPY) if c in _XFAIL else c for c in CASES])
+def test_list_and_coalesced_collectives(collectives, case):
+    op, arg = CASES[case]
+    _need_mirrored(op, arg)
+    for rank, results in enumerate(collectives):
+        res = results[case]
+        if "error" in res:
+            assert case == "reduce_scatter" and "does not support reduce_scatter" in res["error"], res["error"]
+            pytest.skip(f"gloo on this torch has no list reduce_scatter: {res['error']}")
+        assert res["ops"] == [str(op)] and res["kinds"] == ["replayed"], res
+        # float32 sums of two float32 values are correctly rounded: half an ulp; gathers move values: none
+        assert res["local_ulp"][0] <= (0.5 if "reduce" in case else 0.0), res["local_ulp"]
+        for sh, dev, exp in zip(res["shadows"], res["device"], _expected(case, rank)):
+            assert torch.equal(sh, exp), f"{case} rank {rank}: shadow is not the float64 reduction"
+            assert torch.equal(dev, exp.float()), f"{case} rank {rank}: device result"
+
+
+def test_rules_refuse_outputs_the_plan_does_not_mirror():
+    """A list or coalesced op whose output argument the op plan does not walk as a written or returned tensor
+    is Unsupported with a reason that names the argument: the rule never writes the device's own tensors."""
+    from shadow.errors import Unsupported
+    from shadow.plan import plan_of
+    from shadow.replay.collectives import _mirrored as check
+    from shadow.replay.table import Replay
+
+    for op, arg in CASES.values():
+        try:
+            check(Replay(plan_of(op), [], {}, None), arg)
+        except Unsupported as exc:
+            assert repr(arg) in exc.reason and "adopted" in exc.reason
+    check(Replay(plan_of(c10d.allreduce_.default), [], {}, None), "tensors")  # returned Tensor[]: mirrored
