@@ -70,14 +70,6 @@ def _flat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.reshape(-1).to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _scatter(buf: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    at = 0
-    for p in parts:
-        n = p.numel()
-        p.copy_(buf[at:at + n].view(p.shape))
-        at += n
-
-
 def _local(r: Replay, name: str) -> tuple[list, dict, Any]:
     """The local reference's (args, kwargs) and its argument ``name``: the engine's upcast device inputs, or
     (every input exact) copies of the shadow ones, so the shadow's own results are not written twice."""
