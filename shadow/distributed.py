@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .report import Aggregate, Report
+from .report import RANK_FIELDS, Aggregate, Report
 
 _COUNTS = ("calls", "internal_errors", "passthrough", "tensors_adopted", "unobserved_writes", "reinterpreted",
            "out_of_scope")
@@ -15,10 +15,13 @@ def merge_reports(reports: Iterable[Report]) -> Report:
     summed with ``Aggregate.merge``, coverage counts added, records kept rank after rank. Each report's rank is
     its ``meta["rank"]`` (set when shadow sees a collective), else its position in ``reports``. The merged
     meta names the ranks (``meta["ranks"]``), and ``meta["record_ranks"]`` gives the rank of each record.
+    Each rank's cells are kept too, with the figures a table compares (``Report.per_rank``): the merged table
+    shows them in a column per rank where the ranks differ (``Report.table``).
 
     >>> merged = shadow.merge_reports([shadow.load_report(f"rank{r}.json") for r in range(2)])  # doctest: +SKIP
     >>> merged.meta["ranks"]                                                                    # doctest: +SKIP
     [0, 1]
+    >>> merged.per_rank[1].by_op["c10d.allreduce_.default"].max_budget_used                     # doctest: +SKIP
     """
     reports = list(reports)
     if not reports:
@@ -38,6 +41,7 @@ def merge_reports(reports: Iterable[Report]) -> Report:
             if mine is None:
                 mine = out._cells[key] = Aggregate()
             mine.merge(agg)
+        out.per_rank[rank] = _figures(rep)
         out.records.extend(rep.records)
         record_ranks.extend([rank] * len(rep.records))
         out.dropped_records += rep.dropped_records
@@ -55,6 +59,14 @@ def merge_reports(reports: Iterable[Report]) -> Report:
     out.meta["record_ranks"] = record_ranks
     out._views.clear()
     return out
+
+
+def _figures(rep: Report) -> Report:
+    """What a merged report keeps of one rank: its cells, with only the figures a table compares."""
+    part = Report()
+    part._cells = {key: Aggregate(**{name: getattr(agg, name) for name in RANK_FIELDS})
+                   for key, agg in rep._cells.items()}
+    return part
 
 
 def records_of_rank(report: Report, rank: int) -> list:

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import textwrap
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .errors import ReportFormatError
 from .metrics import ErrorStats
@@ -17,11 +17,12 @@ from .records import Event, Kind, Phase, Record, numbers
 from .trajectory import StepDrift
 
 FORMAT = "shadow-report"
-VERSION = 6  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
-# 5: call sites, input drift, aggregates by (op, module, call site, phase) ("cells"); 6: the trajectory
-READS = (1, 2, 3, 4, 5, 6)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget
+VERSION = 7  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
+# 5: call sites, input drift, aggregates by (op, module, call site, phase) ("cells"); 6: the trajectory; 7: a merged
+# report's per-rank cells ("per_rank")
+READS = (1, 2, 3, 4, 5, 6, 7)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget
 # family "kind" and over_budget_calls "over_budget", 4 had no call sites (its aggregates: by op and module only),
-# 5 no trajectory
+# 5 no trajectory, 6 no per-rank cells
 VIEWS = ("op", "module", "callsite", "phase")  # the ways aggregates are grouped (Report.view)
 _CELL = {"op": 0, "module": 1, "callsite": 2, "phase": 3}  # a view's position in a cell's key
 
@@ -156,6 +157,8 @@ class Report:
         self._cells: dict[tuple[str, str, str, str], Aggregate] = {}
         self._views: dict[tuple[str, str | None], dict[str, Aggregate]] = {}  # merged views, until the next add
         self._legacy: dict[str, dict[str, Aggregate]] | None = None  # by op and module of a report saved before 5
+        # a merged report (shadow.merge_reports): each rank's cells, with only the figures its table compares
+        self.per_rank: dict[Any, Report] = {}
 
     def add(self, rec: Record) -> None:
         self.coverage.calls += 1
@@ -317,8 +320,14 @@ class Report:
         (``!``: some call over budget; ``-``: only default budgets), the fewest effective bits of a call (``-``:
         exact or no budget; a long TF32 matmul within its worst-case budget still reads ~10 here), max drift
         rel_norm, flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
-        untrustworthy (``!`` marks rows with any)."""
-        return _plain_table(*self._table_cells(by, top, phase, tree)[:2])
+        untrustworthy (``!`` marks rows with any).
+
+        A merged report (``shadow.merge_reports``) adds, after each figure the rows are ranked by (local ulp,
+        budget, drift rel) on which its ranks differ in some row, one column per rank ("budget r0", "budget r1",
+        ...; ``=`` on the rows where the ranks agree on it), and a line under the table saying where the ranks
+        differ, or that they agree (``RANK_RTOL``; docs/reports.md, "Merged reports")."""
+        t = self._table_cells(by, top, phase, tree)
+        return "\n".join([_plain_table(t.head, t.rows)] + ([t.ranks_line] if t.ranks_line else []))
 
     def summary(self, by: str = "op", top: int | None = None, *, phase: str | None = None, tree: bool = False,
                 rich: bool = False, color: bool = False, width: int = 120) -> str:
@@ -331,49 +340,77 @@ class Report:
         """
         from .verdict import conclude
 
-        head, rows, total = self._table_cells(by, top, phase, tree)
-        lines = [_rich_table(head, rows, width, color) if rich else _plain_table(head, rows)]
-        if len(rows) < total:
-            lines.append(f"({len(rows)} of {total} rows)")
+        t = self._table_cells(by, top, phase, tree)
+        lines = [_rich_table(t.head, t.rows, width, color) if rich else _plain_table(t.head, t.rows)]
+        if len(t.rows) < t.total:
+            lines.append(f"({len(t.rows)} of {t.total} rows)")
+        if t.ranks_line:
+            lines.append(t.ranks_line)
         order = "tree order, parents above their submodules" if tree else \
             "worst budget use first, then worst local ulp, then worst drift"
         lines += ["", f"rows: {order}; columns:"]
-        name_w = max(len(name) for name in head)
-        keys = {**LEGEND, head[0]: _KEY_LEGEND[by] + (" (with its submodules)" if tree else "")}
-        for name in head:
-            lines += textwrap.wrap(keys[name], width=max(width, 60), initial_indent=f"  {name:<{name_w}}  ",
+        keys = {**LEGEND, t.head[0]: _KEY_LEGEND[by] + (" (with its submodules)" if tree else "")}
+        legend = [(name, keys[name]) for name in t.head if name in keys]
+        legend += [(f"{name} rK", _RANK_LEGEND.format(name)) for name in t.rank_figures]
+        name_w = max(len(name) for name, _ in legend)
+        for name, text in legend:
+            lines += textwrap.wrap(text, width=max(width, 60), initial_indent=f"  {name:<{name_w}}  ",
                                    subsequent_indent=" " * (name_w + 4), break_on_hyphens=False)
         lines += ["", conclude(self).text]
         return "\n".join(lines)
 
-    def _table_cells(self, by: str, top: int | None, phase: str | None,
-                     tree: bool) -> tuple[list[str], list[list[str]], int]:
-        """The table's header, its rows as text cells (the key first), and how many rows there are before ``top``."""
+    def _table_cells(self, by: str, top: int | None, phase: str | None, tree: bool) -> _Table:
         if tree and by != "module":
             raise ValueError(f"table(by={by!r}, tree=True): a tree is of modules: use by='module'")
-        table = self.module_tree(phase) if tree else self.view(by, phase)
-        if tree:  # parents first, children below them, indented
-            rows = [(("  " * k.count(".")) + (k.rsplit(".", 1)[-1] if k else ""), table[k])
-                    for k in sorted(table, key=lambda k: k.split("."))]
+        table = self._grouped(by, phase, tree)
+        if tree:  # parents first, children below them
+            keys = sorted(table, key=lambda k: k.split("."))
         else:
-            rows = sorted(table.items(),
-                          key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero,
-                                          -kv[1].max_drift_rel, kv[0]))
-        total = len(rows)
+            keys = sorted(table, key=lambda k: (-table[k].max_budget_used, -table[k].max_local_ulp_nonzero,
+                                                -table[k].max_drift_rel, k))
+        total = len(keys)
         if top is not None:
             if isinstance(top, bool) or not isinstance(top, int) or top < 0:
                 raise ValueError(f"table(top={top!r}): expected None (every row) or an int >= 0")
-            rows = rows[:top]
+            keys = keys[:top]
         mixed = len({d for a in table.values() for d in a.dtypes if _floating(d)}) > 1
-        head = [by] + [name for name in _COLUMNS if name != "dtype" or mixed]
-        cells = []
-        for key, a in rows:
-            dtype = ["/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-"] if mixed else []
-            bits = "-" if math.isinf(a.min_effective_bits) else f"{a.min_effective_bits:.1f}"
-            cells.append([key or "(none)", str(a.calls)] + dtype + [
-                _ulp_cell(a), _budget_cell(a), bits, _fmt(a.max_drift_rel), str(a.flips), str(a.nonfinite),
-                str(a.kinds.get("unsupported", 0)), (str(a.spot_untrusted) + " !") if a.spot_untrusted else "0"])
-        return head, cells, total
+        columns = [name for name in _COLUMNS if name != "dtype" or mixed]
+        ranks = list(self.per_rank) if len(self.per_rank) > 1 else []  # a merged report's
+        per_rank, differ = self._rank_rows(by, phase, tree, table) if ranks else ({}, {})
+        shown = [name for name in columns if differ.get(name)]
+        head = [by]
+        for name in columns:
+            head += [name] + ([f"{name} r{r}" for r in ranks] if name in shown else [])
+        rows = []
+        for key in keys:
+            a = table[key]
+            label = ("  " * key.count(".")) + key.rsplit(".", 1)[-1] if tree else key  # a tree's: indented by depth
+            cells = {"calls": str(a.calls), "dtype": "/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-",
+                     "local ulp": _ulp_cell(a), "budget": _budget_cell(a),
+                     "bits": "-" if math.isinf(a.min_effective_bits) else f"{a.min_effective_bits:.1f}",
+                     "drift rel": _drift_cell(a), "flips": str(a.flips), "nonfin": str(a.nonfinite),
+                     "unsup": str(a.kinds.get("unsupported", 0)),
+                     "untrust": (str(a.spot_untrusted) + " !") if a.spot_untrusted else "0"}
+            row = [label or "(none)"]
+            for name in columns:
+                row.append(cells[name])
+                if name in shown:
+                    row += [_rank_cell(_RANK_FIGURES[name], key in differ[name], r) for r in per_rank[key]]
+            rows.append(row)
+        return _Table(head, rows, total, shown, _ranks_line(ranks, differ, len(table)) if ranks else None)
+
+    def _rank_rows(self, by: str, phase: str | None, tree: bool, table: dict[str, Aggregate]
+                   ) -> tuple[dict[str, list[Aggregate | None]], dict[str, set[str]]]:
+        """A merged report's ``table`` by rank: each row's aggregate of every rank (None: no call), and for each
+        figure of ``_RANK_FIGURES`` the rows on which the ranks differ."""
+        parts = [part._grouped(by, phase, tree) for part in self.per_rank.values()]
+        per_rank = {key: [part.get(key) for part in parts] for key in table}
+        return per_rank, {name: {key for key in table if not _ranks_agree(figure, per_rank[key])}
+                          for name, figure in _RANK_FIGURES.items()}
+
+    def _grouped(self, by: str, phase: str | None, tree: bool) -> dict[str, Aggregate]:
+        """The aggregates a table shows: ``view(by, phase)``, or ``module_tree(phase)``."""
+        return self.module_tree(phase) if tree else self.view(by, phase)
 
     # --- persistence ---
     def to_dict(self) -> dict:
@@ -384,8 +421,9 @@ class Report:
             "max_records": self.max_records,
             "dropped_records": self.dropped_records,
             "records": [r.to_dict() for r in self.records],
-            "cells": [{"op": k[0], "module": k[1], "callsite": k[2], "phase": str(k[3]),
-                       "aggregate": dataclasses.asdict(v)} for k, v in self._cells.items()],
+            "cells": _cell_dicts(self._cells),
+            "per_rank": [{"rank": rank, "cells": _cell_dicts(part._cells, RANK_FIELDS)}
+                         for rank, part in self.per_rank.items()],
             # by_op and by_module are the cells merged: written for readers of the file, recomputed on load
             "by_op": {k: dataclasses.asdict(v) for k, v in self.by_op.items()},
             "by_module": {k: dataclasses.asdict(v) for k, v in self.by_module.items()},
@@ -401,7 +439,7 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict) -> Report:
-        """A report from its saved form (``to_dict``); versions 1 to 6 load (later versions only added
+        """A report from its saved form (``to_dict``); versions 1 to 7 load (later versions only added
         fields, and the two renamed in version 4 are read under their old names; before version 5, aggregates
         exist by op and by module only). Anything malformed raises
         ``ReportFormatError`` naming what is wrong and where."""
@@ -431,9 +469,13 @@ class Report:
                     table[key] = _aggregate(v)
         if version < 5:
             rep._legacy = legacy
-        for i, c in enumerate(_list(d, "cells") if version >= 5 else ()):
-            with _reading(f"cells[{i}]"):
-                rep._cells[(c["op"], c["module"], c["callsite"], Phase(c["phase"]))] = _aggregate(c["aggregate"])
+        if version >= 5:
+            rep._cells = _read_cells(d)
+        for i, p in enumerate(_list(d, "per_rank") if version >= 7 else ()):
+            with _reading(f"per_rank[{i}]"):
+                rank = p["rank"]
+            rep.per_rank[rank] = part = cls()
+            part._cells = _read_cells(p, f"per_rank[{i}].")
         with _reading("coverage"):
             rep.coverage = Coverage(**_dict(d, "coverage"))
         rep.events = []
@@ -478,11 +520,27 @@ def _reading(where: str) -> Iterator[None]:
         raise ReportFormatError(f"{where}: {exc}") from exc
 
 
-def _list(d: dict, name: str) -> list:
+def _list(d: dict, name: str, where: str = "") -> list:
     v = d.get(name)
     if not isinstance(v, list):
-        raise ReportFormatError(f"{name}: expected a list, got {type(v).__name__}")
+        raise ReportFormatError(f"{where}{name}: expected a list, got {type(v).__name__}")
     return v
+
+
+def _cell_dicts(cells: dict[tuple[str, str, str, str], Aggregate], fields: Iterable[str] | None = None) -> list[dict]:
+    """Cells as saved: their key by name and their aggregate (only ``fields``, if given)."""
+    return [{"op": k[0], "module": k[1], "callsite": k[2], "phase": str(k[3]),
+             "aggregate": dataclasses.asdict(v) if fields is None else {name: getattr(v, name) for name in fields}}
+            for k, v in cells.items()]
+
+
+def _read_cells(d: dict, where: str = "") -> dict[tuple[str, str, str, str], Aggregate]:
+    """The cells ``_cell_dicts`` saved as ``d["cells"]``."""
+    cells = {}
+    for i, c in enumerate(_list(d, "cells", where)):
+        with _reading(f"{where}cells[{i}]"):
+            cells[(c["op"], c["module"], c["callsite"], Phase(c["phase"]))] = _aggregate(c["aggregate"])
+    return cells
 
 
 def _dict(d: dict, name: str) -> dict:
@@ -508,6 +566,10 @@ def _encode(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_encode(v) for v in x]
     return x
+
+
+def _drift_cell(a: Aggregate) -> str:
+    return _fmt(a.max_drift_rel)
 
 
 def _ulp_cell(a: Aggregate) -> str:
@@ -542,16 +604,88 @@ LEGEND = {  # what each column of Report.table means, in a user's words (Report.
     "unsup": "calls shadow cannot replay (device result adopted)",
     "untrust": "calls whose float64 reference mpmath found inaccurate (!: heavy cancellation)",
 }
+_RANK_LEGEND = ("rank K's {0}, where the ranks differ on it in some row (=: they agree on this row; no call: rank K "
+                "has no call in it)")
 _KEY_LEGEND = {"op": "the aten op overload", "module": "the innermost module (optimizer ops: the parameter updated)",
                "callsite": "file:line in your code (a backward op: its forward op's line)",
                "phase": "forward, backward, optimizer, or other (outside modules and steps)"}
 
 
+# --- merged reports: each rank's figures beside the merged ones ---
+RANK_FIELDS = ("calls", "max_local_ulp_nonzero", "zero_reference_calls", "budgeted_calls", "max_budget_used",
+               "over_budget_calls", "max_drift_rel")  # what a merged report keeps of each rank's cells (per_rank)
+# Ranks agree on a figure when their values are within this relative tolerance. Replicated work (DDP's optimizer
+# step) gives equal figures; where float64 references are summed in another order (other thread counts) they move
+# by ~1e-16 relative, which against a float32-sized error (~1e-7 relative) moves the figure by ~1e-9 of itself.
+RANK_RTOL = 1e-9
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RankFigure:
+    """A figure the table ranks rows by, compared across the ranks of a merged report."""
+
+    cell: Callable[[Aggregate], str]  # its text, as in its column
+    value: Callable[[Aggregate], float]  # ranks agree when these are within a relative RANK_RTOL ...
+    marks: Callable[[Aggregate], tuple]  # ... and these are equal
+
+
+_RANK_FIGURES = {  # in the order of their columns
+    "local ulp": _RankFigure(_ulp_cell, lambda a: a.max_local_ulp_nonzero, lambda a: (a.zero_reference_calls > 0,)),
+    "budget": _RankFigure(_budget_cell, lambda a: a.max_budget_used,
+                          lambda a: (a.budgeted_calls > 0, a.over_budget_calls)),
+    "drift rel": _RankFigure(_drift_cell, lambda a: a.max_drift_rel, lambda a: ()),
+}
+
+
+def _ranks_agree(figure: _RankFigure, aggs: list[Aggregate | None]) -> bool:
+    """Every rank has calls in the row, with equal marks and values within a relative ``RANK_RTOL``."""
+    if any(a is None for a in aggs):
+        return False
+    values = [figure.value(a) for a in aggs]
+    return len({figure.marks(a) for a in aggs}) == 1 and math.isclose(min(values), max(values), rel_tol=RANK_RTOL)
+
+
+def _rank_cell(figure: _RankFigure, differ: bool, a: Aggregate | None) -> str:
+    if not differ:
+        return "="
+    return "no call" if a is None else figure.cell(a)
+
+
+def _ranks_line(ranks: list, differ: dict[str, set[str]], total: int) -> str:
+    """Under a merged report's table: where its ranks differ, or that they agree."""
+    names = ", ".join(map(str, ranks))
+    rows = set().union(*differ.values())
+    if not rows:
+        return (f"ranks {names} agree on every row: local ulp, budget use and drift within a relative "
+                f"{RANK_RTOL:g}, the same calls over budget")
+    agree = [name for name in _RANK_FIGURES if not differ[name]]
+    return (f"ranks {names} differ on {len(rows)} of {total} rows in "
+            f"{', '.join(name for name in _RANK_FIGURES if differ[name])} (beyond a relative {RANK_RTOL:g}, other "
+            f"calls over budget, or no call): a column per rank, = where they agree"
+            + (f"; they agree on {', '.join(agree)} in every row" if agree else ""))
+
+
+@dataclasses.dataclass(slots=True)
+class _Table:
+    """A table as text cells, and in a merged report what its ranks' columns show."""
+
+    head: list[str]
+    rows: list[list[str]]  # the key first
+    total: int  # rows before ``top``
+    rank_figures: list[str]  # the figures with a column per rank
+    ranks_line: str | None  # a merged report's: where its ranks differ, or that they agree
+
+
+def _column(name: str) -> tuple[int, str]:
+    """A column's narrowest width and alignment (a rank's column, "budget r1": its figure's)."""
+    return _COLUMNS.get(name) or _COLUMNS[name.rsplit(" ", 1)[0]]
+
+
 def _plain_table(head: list[str], rows: list[list[str]]) -> str:
     """The table as aligned text: the key column left, each other column as ``_COLUMNS`` says."""
     widths = [max([len(head[0])] + [len(r[0]) for r in rows])]
-    widths += [max([_COLUMNS[name][0]] + [len(r[i]) for r in rows]) for i, name in enumerate(head) if i]
-    aligns = ["<"] + [_COLUMNS[name][1] for name in head[1:]]
+    widths += [max([_column(name)[0]] + [len(r[i]) for r in rows]) for i, name in enumerate(head) if i]
+    aligns = ["<"] + [_column(name)[1] for name in head[1:]]
 
     def line(cells: list[str]) -> str:
         return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, aligns, widths)).rstrip()
@@ -572,7 +706,7 @@ def _rich_table(head: list[str], rows: list[list[str]], width: int, color: bool)
                           "pip install 'shadow[display]'), or pass rich=False for plain text") from exc
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for name in head:
-        table.add_column(name, justify="right" if _COLUMNS.get(name, (0, "<"))[1] == ">" else "left",
+        table.add_column(name, justify="right" if name != head[0] and _column(name)[1] == ">" else "left",
                          no_wrap=name != head[0], overflow="fold")  # a long key folds onto more lines, never cut
     for r in rows:
         table.add_row(*r, style="red" if r[head.index("budget")].endswith("!") else None)
