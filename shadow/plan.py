@@ -27,6 +27,7 @@ class ArgType(enum.Enum):
     TENSOR = "Tensor"  # Tensor or Tensor?
     TENSORS = "Tensor[]"  # Tensor[] (foreach lists)
     OPT_TENSORS = "Tensor?[]"  # Tensor?[] (index, index_put)
+    TENSOR_LISTS = "Tensor[][]"  # Tensor[][] (the c10d list collectives: allgather_, reduce_scatter_)
     REMAP = "remap"  # a dtype or device candidate: rewritten for the float64 CPU replay
 
 
@@ -62,6 +63,10 @@ class ReturnSpec:
 UNDECLARED_WRITES: dict[torch._ops.OpOverload, tuple[int, ...]] = {
     aten.native_batch_norm.default: (3, 4),
 }
+if torch.distributed.is_available():  # c10d ops that return only a Work and write their first argument
+    for _name in ("allreduce_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_"):
+        if hasattr(torch.ops.c10d, _name):
+            UNDECLARED_WRITES[getattr(torch.ops.c10d, _name).default] = (0,)
 for _name in ("cudnn_batch_norm", "miopen_batch_norm"):
     if hasattr(aten, _name):
         UNDECLARED_WRITES[getattr(aten, _name).default] = (3, 4)
@@ -72,6 +77,7 @@ _TENSOR_TYPES = {
     "Optional[Tensor]": ArgType.TENSOR,
     "List[Tensor]": ArgType.TENSORS,
     "List[Optional[Tensor]]": ArgType.OPT_TENSORS,
+    "List[List[Tensor]]": ArgType.TENSOR_LISTS,
 }
 # dtype arguments are typed int in the schema, devices Device: candidates, checked by value at run time.
 _REMAP_TYPES = {"int", "Optional[int]", "Device", "Optional[Device]"}
@@ -135,7 +141,7 @@ class OpPlan:
             if isinstance(v, torch.Tensor):
                 yield spec, v
             elif isinstance(v, (list, tuple)):
-                for t in v:
+                for t in (_flatten(v) if spec.type is ArgType.TENSOR_LISTS else v):
                     if isinstance(t, torch.Tensor):
                         yield spec, t
 
@@ -152,6 +158,9 @@ class OpPlan:
                 continue
             if spec.type is ArgType.TENSOR:
                 spec.put(args, kwargs, fn(v, spec) if isinstance(v, torch.Tensor) else v)
+            elif spec.type is ArgType.TENSOR_LISTS:
+                spec.put(args, kwargs, [[fn(t, spec) if isinstance(t, torch.Tensor) else t for t in inner]
+                                        for inner in v])
             else:
                 spec.put(args, kwargs, [fn(t, spec) if isinstance(t, torch.Tensor) else t for t in v])
         return args, kwargs
@@ -178,7 +187,7 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
         alias = r.alias_info
         returns.append(
             ReturnSpec(
-                tensors=arg_type is ArgType.TENSORS,
+                tensors=arg_type in (ArgType.TENSORS, ArgType.TENSOR_LISTS),
                 is_tensor=arg_type is not None,
                 aliases_write=bool(alias is not None and alias.is_write),
                 aliases_read=bool(alias is not None and not alias.is_write),
@@ -216,7 +225,12 @@ def flat_returns(plan: OpPlan, out: Any) -> list[tuple[ReturnSpec, Any]]:
     flat = []
     for spec, v in zip(plan.returns, values):
         if spec.tensors:
-            flat.extend((spec, t) for t in v)
+            flat.extend((spec, t) for t in _flatten(v))
         else:
             flat.append((spec, v))
     return flat
+
+
+def _flatten(v: Any) -> list:
+    """A Tensor[] or Tensor[][] value as one list."""
+    return [t for inner in v for t in inner] if v and isinstance(v[0], (list, tuple)) else list(v)

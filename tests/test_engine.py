@@ -106,6 +106,20 @@ def test_efficientzerotensor():
     assert sm.report.coverage.internal_errors == 0
 
 
+def test_wrapper_subclasses_unwrap_and_their_plain_calls_are_shadowed():
+    """A wrapper tensor subclass (DTensor, fully_shard's parameters; torch's TwoTensor here) has no storage of its
+    own: shadow lets it unwrap, and shadows the calls on the plain tensors it holds (reading the wrapper's
+    storage used to kill the process)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a = TwoTensor(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0]))
+    with ShadowMode() as sm:
+        b = a * 3.0
+    assert b.a.tolist() == [3.0, 6.0, 9.0] and b.b.tolist() == [12.0, 15.0, 18.0]
+    assert [r.op for r in sm.report.records].count("aten.mul.Tensor") == 2
+    assert sm.shadow_of(b.b).tolist() == [12.0, 15.0, 18.0]
+
+
 def test_batch_norm_running_stats_mutated_without_declaring_it():
     bn = torch.nn.BatchNorm1d(3).double()
     x = torch.randn(8, 3, dtype=f64) * 3 + 1

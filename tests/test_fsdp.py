@@ -9,10 +9,7 @@ is that of a float32 reduction, and its shadow is the float64 reduction of the r
 
 from __future__ import annotations
 
-import functools
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -36,6 +33,11 @@ c10d = torch.ops.c10d
 GLOO_WAIT_COPY = pytest.mark.xfail(strict=True, reason="gloo writes reduce_scatter_tensor's output by an aten.copy_ "
                                    "at wait(): judged too early, shadow adopted (engine)")
 _XFAIL = {"reduce_scatter_tensor", "coalesced_reduce_scatter_tensor"}
+# torch 2.4's c10d bumps the version counter of the tensors a coalesced all-reduce writes, outside any op shadow
+# sees: the engine takes it for an unobserved write and re-reads the device's values (the float64 reduction lost)
+OLD_COALESCED = pytest.mark.xfail(torch.__version__ < "2.5", strict=True, reason="torch 2.4: the coalesced "
+                                  "all-reduce's version bump reads as an unobserved write (engine)")
+_XFAIL_OLD = {"all_reduce_coalesced", "coalesced_all_reduce"}
 
 
 def _launch(worker, tmp_path, *args) -> None:
@@ -63,41 +65,7 @@ def _init(rank: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-# --- what this torch and this shadow can run ---
-def _mirrored(op, arg: str) -> bool:
-    """Whether shadow's op plan gives the rules of ``op`` its output ``arg`` as shadows it commits (the rule
-    refuses the op otherwise: shadow.replay.collectives._mirrored)."""
-    from shadow.errors import Unsupported
-    from shadow.plan import plan_of
-    from shadow.replay.collectives import _mirrored as check
-    from shadow.replay.table import Replay
-
-    try:
-        check(Replay(plan_of(op), [], {}, None), arg)
-    except Unsupported:
-        return False
-    return True
-
-
-def _need_mirrored(op, arg: str) -> None:
-    if not _mirrored(op, arg):
-        pytest.skip(f"{op}: shadow's op plan does not mirror its output {arg!r} (Tensor[][] arguments or "
-                    "undeclared writes of c10d ops are not walked by shadow.plan); the rule refuses it")
-
-
-@functools.cache
-def _unwraps_subclasses() -> bool:
-    """Whether ShadowMode lets a tensor wrapper subclass (DTensor, the parameters of fully_shard) unwrap
-    itself; probed in a child process: a ShadowMode that reads a wrapper's storage crashes it (SIGSEGV)."""
-    code = ("import torch\nfrom torch.testing._internal.two_tensor import TwoTensor\nfrom shadow import ShadowMode\n"
-            "a = TwoTensor(torch.ones(3), torch.ones(3))\nwith ShadowMode():\n    b = a * 2\n"
-            "assert b.a.tolist() == [2.0] * 3\n")
-    try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
+# --- what this torch can run ---
 def _fully_shard():
     """FSDP2's fully_shard where it runs on the CPU: the public torch.distributed.fsdp.fully_shard (torch 2.6
     on). torch 2.4's torch.distributed._composable.fsdp.fully_shard creates a torch.cuda.Stream at its lazy
@@ -184,7 +152,6 @@ def _check_fsdp(tmp_path, flavour: str) -> list:
 
 @GLOO_WAIT_COPY
 def test_fsdp1_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
-    _need_mirrored(c10d.allgather_.default, "output_tensors")  # FSDP1's all-gather on gloo is the list form
     reports = _check_fsdp(tmp_path, "fsdp1")
     for rep in reports:
         ops = {rec.op for rec in rep.records if rec.op.startswith("c10d.")}
@@ -201,9 +168,6 @@ def test_fsdp2_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
         pytest.skip("FSDP2 needs CUDA on this torch: torch.distributed._composable.fsdp.fully_shard creates a "
                     "torch.cuda.Stream at its lazy init; torch.distributed.fsdp.fully_shard (CPU-capable) is "
                     "missing")
-    if not _unwraps_subclasses():
-        pytest.skip("ShadowMode does not let tensor wrapper subclasses unwrap (fully_shard's DTensor parameters):"
-                    " a rank crashes reading a DTensor's storage")
     reports = _check_fsdp(tmp_path, "fsdp2")
     for rep in reports:
         ops = {rec.op for rec in rep.records if rec.op.startswith("c10d.")}
@@ -336,10 +300,10 @@ def collectives(tmp_path_factory) -> list[dict]:
     return [torch.load(tmp / f"collectives{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=GLOO_WAIT_COPY) if c in _XFAIL else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=GLOO_WAIT_COPY) if c in _XFAIL else
+                                  pytest.param(c, marks=OLD_COALESCED) if c in _XFAIL_OLD else c for c in CASES])
 def test_list_and_coalesced_collectives(collectives, case):
     op, arg = CASES[case]
-    _need_mirrored(op, arg)
     for rank, results in enumerate(collectives):
         res = results[case]
         if "error" in res:
@@ -353,17 +317,13 @@ def test_list_and_coalesced_collectives(collectives, case):
             assert torch.equal(dev, exp.float()), f"{case} rank {rank}: device result"
 
 
-def test_rules_refuse_outputs_the_plan_does_not_mirror():
-    """A list or coalesced op whose output argument the op plan does not walk as a written or returned tensor
-    is Unsupported with a reason that names the argument: the rule never writes the device's own tensors."""
-    from shadow.errors import Unsupported
+def test_the_plan_mirrors_every_list_and_coalesced_output():
+    """The rules refuse an op whose output argument the op plan does not walk as a written or returned tensor
+    (they would write the device's own tensors): the plan walks Tensor[][] and the coalesced ops' first argument,
+    so every case is mirrored."""
     from shadow.plan import plan_of
     from shadow.replay.collectives import _mirrored as check
     from shadow.replay.table import Replay
 
     for op, arg in CASES.values():
-        try:
-            check(Replay(plan_of(op), [], {}, None), arg)
-        except Unsupported as exc:
-            assert repr(arg) in exc.reason and "adopted" in exc.reason
-    check(Replay(plan_of(c10d.allreduce_.default), [], {}, None), "tensors")  # returned Tensor[]: mirrored
+        check(Replay(plan_of(op), [], {}, None), arg)  # raises Unsupported where not mirrored

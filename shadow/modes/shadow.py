@@ -6,6 +6,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -28,7 +29,14 @@ class _ShadowDispatch(TorchDispatchMode):
         self._engine = engine
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__torch_dispatch__ is not _PLAIN for t in types):
+            if any(issubclass(t, FakeTensor) for t in types):  # metadata only (DTensor's sharding propagation)
+                return func(*args, **(kwargs or {}))
+            return NotImplemented  # a wrapper subclass (DTensor) unwraps: its calls on plain tensors come back here
         return self._engine.dispatch(func, args, kwargs or {})
+
+
+_PLAIN = torch.Tensor.__torch_dispatch__
 
 
 class ShadowMode:
