@@ -38,6 +38,7 @@ _INF = math.inf
 # records no autograd graph either: every tensor it makes is a detached copy (mirror.upcast; copying a lazy
 # module's uninitialized parameter with autograd on created its gradient accumulator with the wrong shape).
 _no_dispatch = torch._C._DisableTorchDispatch
+_COPY = torch.ops.aten.copy_.default
 # Nested tensors have a shape per component and no strides: the mirror cannot hold their shadows (test_nested.py)
 _NESTED = ("nested tensor {}: shadow mirrors dense tensors only (nested tensors come from torch.nested, or from "
            "nn.TransformerEncoder's fast path for padded batches in eval mode); build the encoder with "
@@ -176,7 +177,13 @@ class Engine:
             return func(*args, **kwargs)
         plan, chain = entry
         if self._deferred:  # an op touching a deferred call's outputs: the user's program waited for them
-            self.settle(t for _, t in plan.tensors(args, kwargs))
+            completing = self._completing(plan, args)
+            self.settle((t for _, t in plan.tensors(args, kwargs)), spare=completing)
+            if completing:  # a backend writing a deferred call's result: part of that call, judged with it
+                out = func(*args, **kwargs)
+                with _no_dispatch():
+                    self.mirror.note_write(self._entry(plan, args[0]))  # a write shadow saw (the version moves)
+                return out
         if self.opt.scope is not None and not self._in_scope(plan, args, kwargs):
             out = func(*args, **kwargs)
             with _no_dispatch():
@@ -384,7 +391,7 @@ class Engine:
             p.cpu = None  # the kernel is never run again
             written = [t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)]
             self._deferred.append(_Pending(p, args, kwargs, out, kind, souts, self.attr.where(
-                plan.func, args, kwargs, out, self._index), _storages(written)))
+                plan.func, args, kwargs, out, self._index), _storages(written), self.mirror.adopted))
             return
         louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None
         self._conclude(p, args, kwargs, out, kind, souts, louts)
@@ -700,14 +707,16 @@ class Engine:
             self.trajectory.seen(rec, result)
         return rec
 
-    def settle(self, tensors=None) -> None:
-        """Judge the deferred calls whose outputs share a storage with ``tensors`` (every one when None)."""
+    def settle(self, tensors=None, spare: tuple = ()) -> None:
+        """Judge the deferred calls whose outputs share a storage with ``tensors`` (every one when None), but
+        those in ``spare``."""
         with _no_dispatch():
             touched = None if tensors is None else _storages(tensors)
-            due = [d for d in self._deferred if touched is None or not touched.isdisjoint(d.storages)]
+            due = [d for d in self._deferred if (touched is None or not touched.isdisjoint(d.storages))
+                   and all(d is not s for s in spare)]
             if not due:
                 return
-            self._deferred = [d for d in self._deferred if touched is not None and touched.isdisjoint(d.storages)]
+            self._deferred = [d for d in self._deferred if all(d is not x for x in due)]
             for d in due:
                 p, r = d.prepared, d.result
                 try:
@@ -716,6 +725,22 @@ class Engine:
                     self._conclude(p, d.args, d.kwargs, d.out, d.kind, r.shadow, r.local_out, d.at)
                 except Exception as exc:
                     self._internal_error(p.plan, d.args, d.kwargs, d.out, exc)
+
+    def _completing(self, plan: OpPlan, args) -> tuple:
+        """The deferred calls this op completes rather than reads: a backend finishing a collective at ``wait()``
+        copies its result into the output from a temporary of its own, in the caller's thread (gloo's
+        reduce_scatter_tensor: ``aten.copy_`` from a split of a storage first seen after the call). The copy is
+        part of those calls: not replayed (their shadows already hold the float64 result), judged with them at
+        the next op that touches their outputs."""
+        if plan.func is not _COPY:
+            return ()
+        dst, src = args[0], args[1]
+        e = self.mirror.known(src) if isinstance(src, torch.Tensor) and src.layout == torch.strided else None
+        if not isinstance(dst, torch.Tensor) or not isinstance(src, torch.Tensor) or (e is not None and not e.adopted):
+            return ()
+        into = _storages([dst])
+        return tuple(d for d in self._deferred if not into.isdisjoint(d.storages)
+                     and (e is None or e.adopted > d.adopted))
 
     # --- queries ---
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -746,6 +771,7 @@ class _Pending:
     result: Deferred
     at: tuple  # (module, phase, call site) where it was called
     storages: set[int]
+    adopted: int  # Mirror.adopted at the call: storages adopted later are not the user's (``_completing``)
 
 
 def _storages(tensors) -> set[int]:

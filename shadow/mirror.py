@@ -136,7 +136,8 @@ class Placement:
 
 
 class _Entry:
-    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes", "nonfinite", "drift")
+    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes", "nonfinite", "drift",
+                 "adopted")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
                  nonfinite: bool):
@@ -150,6 +151,7 @@ class _Entry:
         self.writes = writes  # writes seen through ops that bump the version counter
         self.nonfinite = nonfinite  # the device's values hold a NaN or an infinity (as far as shadow saw)
         self.drift = 0.0  # rel_norm of the drift of the last value written (a partial write: the larger)
+        self.adopted = 0  # Mirror.adopted when this storage was first seen holding values no op shadow saw wrote
 
 
 def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -274,13 +276,15 @@ class Mirror:
         base = _storage_values(t, n).to(device=self.place(t.device), dtype=self.shadow_dtype(t.dtype), copy=True)
         if old is None:
             self.adopted += 1
-        elif old.itemsize == itemsize and old.nbytes < st.nbytes():
+            e = _Entry(st, base, itemsize, exact=True, writes=0, nonfinite=_nonfinite(base))
+            e.adopted = self.adopted
+            return self._keep(st, e)
+        if old.itemsize == itemsize and old.nbytes < st.nbytes():
             # the storage grew in place (resize_, out= resizing): its old contents are kept, so is their shadow
             base[: old.base.numel()] = old.base
             return self._keep(st, _Entry(st, base, itemsize, exact=old.exact, writes=old.writes,
                                          nonfinite=old.nonfinite or _nonfinite(base)))
-        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes if old is not None else 0,
-                                     nonfinite=_nonfinite(base)))
+        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes, nonfinite=_nonfinite(base)))
 
     def _keep(self, st: torch.UntypedStorage, e: _Entry) -> _Entry:
         self._put(st._cdata, e)

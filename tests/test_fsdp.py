@@ -25,14 +25,6 @@ STEPS, LR = 3, 0.01
 JOIN_S = 180  # one run of two ranks, bounded
 c10d = torch.ops.c10d
 
-# gloo completes reduce_scatter_tensor (alone or coalesced) in work.wait(), in the caller's thread and under the
-# mode: aten.split of a backend temporary, then aten.copy_ into the output. The engine judges the deferred call
-# at that copy_, before the output is written (local error ~1e20..1e42 ulp: uninitialized memory), and the
-# copy_'s replay adopts the temporary's float32 sums as the output's shadow (the shadow reduction is lost).
-# The fix is the engine's (a deferred call's completion writes), not a rule's: docs/distributed.md.
-GLOO_WAIT_COPY = pytest.mark.xfail(strict=True, reason="gloo writes reduce_scatter_tensor's output by an aten.copy_ "
-                                   "at wait(): judged too early, shadow adopted (engine)")
-_XFAIL = {"reduce_scatter_tensor", "coalesced_reduce_scatter_tensor"}
 # torch 2.4's c10d bumps the version counter of the tensors a coalesced all-reduce writes, outside any op shadow
 # sees: the engine takes it for an unobserved write and re-reads the device's values (the float64 reduction lost)
 OLD_COALESCED = pytest.mark.xfail(torch.__version__ < "2.5", strict=True, reason="torch 2.4: the coalesced "
@@ -150,7 +142,8 @@ def _check_fsdp(tmp_path, flavour: str) -> list:
     return reports
 
 
-@GLOO_WAIT_COPY
+@pytest.mark.xfail(torch.__version__ < "2.5", strict=True, reason="torch 2.4: FSDP1's parameter shadows end 8e-8 "
+                   "relative off the float64 run after 3 AdamW steps (not diagnosed yet; 2.13: exact)")
 def test_fsdp1_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
     reports = _check_fsdp(tmp_path, "fsdp1")
     for rep in reports:
@@ -162,7 +155,6 @@ def test_fsdp1_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
         assert all(c.local.max_ulp <= 0.5 for c in rep.find(op="c10d._reduce_scatter_base_.default"))
 
 
-@GLOO_WAIT_COPY
 def test_fsdp2_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
     if _fully_shard() is None:
         pytest.skip("FSDP2 needs CUDA on this torch: torch.distributed._composable.fsdp.fully_shard creates a "
@@ -300,8 +292,7 @@ def collectives(tmp_path_factory) -> list[dict]:
     return [torch.load(tmp / f"collectives{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=GLOO_WAIT_COPY) if c in _XFAIL else
-                                  pytest.param(c, marks=OLD_COALESCED) if c in _XFAIL_OLD else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=OLD_COALESCED) if c in _XFAIL_OLD else c for c in CASES])
 def test_list_and_coalesced_collectives(collectives, case):
     op, arg = CASES[case]
     for rank, results in enumerate(collectives):
