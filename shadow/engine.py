@@ -722,6 +722,11 @@ class Engine:
                 try:
                     self.report.meta.update(r.meta)
                     p.local = Args(*r.local)
+                    outs = [t for _, t in p.plan.tensors(d.args, d.kwargs)]
+                    outs += [t for _, t in flat_returns(p.plan, d.out)]
+                    for t in outs:  # the backend wrote them since the call, outside any op (gloo on torch 2.4)
+                        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t._is_zerotensor():
+                            self.mirror.absorb(t)
                     self._conclude(p, d.args, d.kwargs, d.out, d.kind, r.shadow, r.local_out, d.at)
                 except Exception as exc:
                     self._internal_error(p.plan, d.args, d.kwargs, d.out, exc)

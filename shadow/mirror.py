@@ -378,6 +378,21 @@ class Mirror:
     def note_write(self, e: _Entry) -> None:
         e.writes += 1
 
+    def absorb(self, t: torch.Tensor) -> None:
+        """Count the moves of t's version counter since t was last seen as writes shadow saw: a collective's
+        backend writes its outputs after the call, outside any op (gloo on torch 2.4), and those writes are the
+        call's, judged with it."""
+        e = self.known(t)
+        rec = self._versions.get(id(t))
+        if e is None or rec is None or rec[0]() is not t or rec[1] != e.key:
+            return
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            return
+        e.writes += max(0, (version - rec[2]) - (e.writes - rec[3]))
+        self._versions[id(t)] = (rec[0], e.key, version, e.writes)
+
     def unobserved_write(self, t: torch.Tensor, e: _Entry) -> bool:
         """Whether t's version counter moved more than the writes seen on its storage since t was last
         seen (checked lazily: the counter is bumped after ``__torch_dispatch__`` returns)."""

@@ -25,11 +25,6 @@ STEPS, LR = 3, 0.01
 JOIN_S = 180  # one run of two ranks, bounded
 c10d = torch.ops.c10d
 
-# torch 2.4's c10d bumps the version counter of the tensors a coalesced all-reduce writes, outside any op shadow
-# sees: the engine takes it for an unobserved write and re-reads the device's values (the float64 reduction lost)
-OLD_COALESCED = pytest.mark.xfail(torch.__version__ < "2.5", strict=True, reason="torch 2.4: the coalesced "
-                                  "all-reduce's version bump reads as an unobserved write (engine)")
-_XFAIL_OLD = {"all_reduce_coalesced", "coalesced_all_reduce"}
 
 
 def _launch(worker, tmp_path, *args) -> None:
@@ -142,8 +137,6 @@ def _check_fsdp(tmp_path, flavour: str) -> list:
     return reports
 
 
-@pytest.mark.xfail(torch.__version__ < "2.5", strict=True, reason="torch 2.4: FSDP1's parameter shadows end 8e-8 "
-                   "relative off the float64 run after 3 AdamW steps (not diagnosed yet; 2.13: exact)")
 def test_fsdp1_two_ranks_adamw_shadows_equal_float64_run(tmp_path):
     reports = _check_fsdp(tmp_path, "fsdp1")
     for rep in reports:
@@ -292,7 +285,7 @@ def collectives(tmp_path_factory) -> list[dict]:
     return [torch.load(tmp / f"collectives{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=OLD_COALESCED) if c in _XFAIL_OLD else c for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_list_and_coalesced_collectives(collectives, case):
     op, arg = CASES[case]
     for rank, results in enumerate(collectives):
