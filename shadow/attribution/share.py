@@ -144,7 +144,8 @@ def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
                  ready: Callable[[ShadowMode], None] | None = None) -> AdjointPass:
     """Run ``step`` under a ShadowMode (``options``) collecting each forward call's ``errors`` weighted by the
     float64 adjoint of <along(D), T>, where D is the target's drift (``along`` returns None: no weighting needed);
-    ``also``: another observer of every judged call, called before the errors are asked for; ``ready``: called with the ShadowMode before the step."""
+    ``also``: another observer of every judged call, called before the errors are asked for; ``ready``: called
+    with the ShadowMode before the step."""
     sm = ShadowMode(**options)
     if ready is not None:
         ready(sm)

@@ -1,12 +1,12 @@
 """``shadow.audit``: which parts of a model (modules or op classes) can run in bf16, fp16, TF32 or FP8.
 
 For every part and candidate precision: the estimated relative change of the target (the loss) if that part alone
-ran in that precision and everything else in float64. One pass, for every precision at once: the step runs as
-usual under a ShadowMode, each forward call is computed again by each precision's emulated device
-(``shadow.modes``) on the inputs it would have if its part alone ran in that precision (``onepass``), and that
-error is weighted by the float64 adjoint of the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The ``verify`` most
-sensitive parts per precision are then run again one at a time, only that part emulated on the device
-(``shadow.modes.Scoped``), and measured in a float64 world where only that part's calls carry their error
+ran in that precision and everything else in float64. One pass, for every precision at once: the step runs as usual
+under a ShadowMode, each forward call is computed again by each precision's emulated device (``shadow.modes``) on
+the inputs it would have if its part alone ran in that precision (``onepass``), and that error is weighted by the
+float64 adjoint of the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The
+``verify`` most sensitive parts per precision are then run again one at a time, only that part emulated on the
+device (``shadow.modes.Scoped``), and measured in a float64 world where only that part's calls carry their error
 (``Engine._rewrite_shadow``). Range risks come from the same first run (``shadow.precision.ranges``).
 ``AuditReport.plan(tolerance)`` picks a precision per part (``shadow.precision.plan``).
 """
@@ -124,7 +124,8 @@ class AuditReport:
                 cells.append(f"  {(text + (' ' + flags if flags else '')):>{cell_w}}")
             lines.append(f"{key or '(none)':<{name_w}}" + "".join(cells))
         lines.append(f"relative change of the target (float64 value {self.target:.6g}) if the part alone ran in the "
-                     f"precision; (measured); - not touched; O overflow, U >1% below the smallest normal; {self.runs} runs")
+                     "precision; (measured); - not touched; O overflow, U >1% below the smallest normal; "
+                     f"{self.runs} runs")
         if self.dropped:
             ended = ", ".join(f"{k or '(none)'} ({p})" for p, k in self.dropped)
             lines.append(f"estimated on float64 inputs after their first call (memory bound): {ended}")

@@ -9,10 +9,11 @@ float64 inputs instead draws every rounding again: measured on a transformer lay
 estimate then ranged from 0.03x to 38x of the part's direct run over six seeds, while single-call parts agreed
 within 10 %.
 
-Worlds end at the first backward or optimizer call (a module may be called again until then: a shared
-activation, a loop). They hold at most as many bytes as the shadows themselves (at least ``MIN_BYTES``); beyond
-that a world ends early (``_bound``), and its part's later calls are estimated on float64 inputs (``dropped``). Calls that write their inputs are emulated in no world (overwritten
-by then); where one writes a storage a world holds no value of, the world keeps the float64 shadow's.
+Worlds end at the first backward or optimizer call (a module may be called again until then: a shared activation, a
+loop). They hold at most as many bytes as the shadows themselves (at least ``MIN_BYTES``); beyond that a world ends
+early (``_bound``), and its part's later calls are estimated on float64 inputs (``dropped``). Calls that write their
+inputs are emulated in no world (overwritten by then); where one writes a storage a world holds no value of, the
+world keeps the float64 shadow's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """A precision plan: which parts run in which precision, chosen from an audit, applied on the real device, checked
 against float64.
 
-``choose`` goes from the cheapest precision up (fewer mantissa bits first) and moves the least sensitive parts
-while the sum of their sensitivities stays within half the tolerance: parts moved together interact (each one's
-roundings are drawn again on the others' outputs), and their joint change has measured up to 1.2x the sum. ``Plan.apply(model)`` returns a dispatch mode
-(``PlanMode``, entered outside ShadowMode) that computes each chosen part's ops in its precision: bfloat16 and
-float16 natively (the op run on inputs cast to that dtype, its results cast back), TF32 through the device's
-TF32 switch on CUDA; where the device has no such arithmetic (TF32 on a CPU, FP8 anywhere here) the part's ops
-run on the emulated device. ``Plan.check(step)`` runs the step with the plan under a ShadowMode and returns the
-measured relative change of the target against its float64 shadow.
+``choose`` goes from the cheapest precision up (fewer mantissa bits first) and moves the least sensitive parts while
+the sum of their sensitivities stays within half the tolerance: parts moved together interact (each one's roundings
+are drawn again on the others' outputs), and their joint change has measured up to 1.2x the sum.
+``Plan.apply(model)`` returns a dispatch mode (``PlanMode``, entered outside ShadowMode) that computes each chosen
+part's ops in its precision: bfloat16 and float16 natively (the op run on inputs cast to that dtype, its results
+cast back), TF32 through the device's TF32 switch on CUDA; where the device has no such arithmetic (TF32 on a CPU,
+FP8 anywhere here) the part's ops run on the emulated device. ``Plan.check(step)`` runs the step with the plan under
+a ShadowMode and returns the measured relative change of the target against its float64 shadow.
 """
 
 from __future__ import annotations
