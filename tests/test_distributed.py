@@ -53,18 +53,39 @@ def _bf16_hook(process_group, bucket):
     return fut.then(decompress)
 
 
-def _worker(rank: int, port: int, hook: str, outdir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+def _init(rank: int, port: int) -> None:
+    """This rank in a gloo group on 127.0.0.1, one thread."""
     from datetime import timedelta
 
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+
+
+def _launch(worker, *args, join_s: float = JOIN_S) -> None:
+    """``worker(rank, port, *args)`` in WORLD spawned processes, bounded in time: killed past ``join_s``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + join_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"two-rank run did not finish in {join_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _worker(rank: int, port: int, hook: str, outdir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from shadow import ShadowMode
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+    _init(rank, port)
     try:
-        torch.set_num_threads(1)
         model = _model()
         ddp = DistributedDataParallel(model)
         if hook == "bf16":
@@ -86,31 +107,19 @@ def _worker(rank: int, port: int, hook: str, outdir: str) -> None:
 
 
 def _run(tmp_path, hook: str = "") -> tuple[list[dict], list]:
-    import torch.multiprocessing as mp
-
     from shadow import load_report
 
-    ctx = mp.start_processes(_worker, args=(_free_port(), hook, str(tmp_path)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + JOIN_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"two-rank DDP run did not finish in {JOIN_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    _launch(_worker, hook, str(tmp_path))
     shadows = [torch.load(tmp_path / f"shadows{r}.pt", weights_only=True) for r in range(WORLD)]
     reports = [load_report(tmp_path / f"report{r}.json") for r in range(WORLD)]
     return shadows, reports
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    """The same 3 steps in float64 in one process, over the global batch (DDP averages the ranks' gradients
-    of their mean losses over equal halves: the gradient of the global mean)."""
+def _reference(optimizer=torch.optim.SGD, lr: float = LR) -> dict[str, torch.Tensor]:
+    """The same 3 steps in float64 in one process, over the global batch (DDP and FSDP average the ranks'
+    gradients of their mean losses over equal halves: the gradient of the global mean)."""
     model = _model().double()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = optimizer(model.parameters(), lr=lr)
     x, y = _batch()
     for _ in range(STEPS):
         opt.zero_grad()

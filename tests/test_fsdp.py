@@ -10,46 +10,20 @@ is that of a float32 reduction, and its shadow is the float64 reduction of the r
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
 
-from test_distributed import WORLD, _batch, _free_port, _model
+from test_distributed import STEPS, WORLD, _batch, _init, _launch, _model, _reference
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
-STEPS, LR = 3, 0.01
+LR = 0.01
 JOIN_S = 180  # one run of two ranks, bounded
 c10d = torch.ops.c10d
 
-
-
-def _launch(worker, tmp_path, *args) -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(worker, args=(_free_port(), str(tmp_path), *args), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + JOIN_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"two-rank run did not finish in {JOIN_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-
-
-def _init(rank: int, port: int) -> None:
-    from datetime import timedelta
-
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
 
 
 # --- what this torch can run ---
@@ -102,26 +76,13 @@ def _fsdp_worker(rank: int, port: int, outdir: str, flavour: str) -> None:
         dist.destroy_process_group()
 
 
-def _adamw_reference() -> dict[str, torch.Tensor]:
-    """The same steps in float64 in one process over the global batch (FSDP averages the ranks' gradients of
-    their mean losses over equal halves: the gradient of the global mean)."""
-    model = _model().double()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    x, y = _batch()
-    for _ in range(STEPS):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x.double()), y.double()).backward()
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _check_fsdp(tmp_path, flavour: str) -> list:
     from shadow import load_report
 
-    _launch(_fsdp_worker, tmp_path, flavour)
+    _launch(_fsdp_worker, str(tmp_path), flavour, join_s=JOIN_S)
     shadows = [torch.load(tmp_path / f"shadows{r}.pt", weights_only=True) for r in range(WORLD)]
     reports = [load_report(tmp_path / f"report{r}.json") for r in range(WORLD)]
-    ref = _adamw_reference()
+    ref = _reference(torch.optim.AdamW, LR)
     for name, r in ref.items():
         got = [sh[name] for sh in shadows]
         if flavour == "fsdp2":
@@ -281,7 +242,7 @@ def _collectives_worker(rank: int, port: int, outdir: str) -> None:
 def collectives(tmp_path_factory) -> list[dict]:
     """Every case run once, in one two-rank launch."""
     tmp = tmp_path_factory.mktemp("collectives")
-    _launch(_collectives_worker, tmp)
+    _launch(_collectives_worker, str(tmp), join_s=JOIN_S)
     return [torch.load(tmp / f"collectives{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
