@@ -41,11 +41,32 @@ def transformer() -> tuple[nn.Module, torch.Tensor]:
     return nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True), torch.randn(16, 128, 256)
 
 
+class _LM(nn.Module):
+    """GPT-2 as a language model whose forward gives its loss on the token ids (next-token prediction)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, labels=ids).loss
+
+
+def lm() -> tuple[nn.Module, torch.Tensor]:
+    """An LM-shaped model: 4 GPT-2 blocks of width 768, the 50257-token embedding and (tied) LM head, a random
+    config (nothing downloaded), batch 1 x 128, dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=768, n_layer=4, n_head=12, vocab_size=50257, n_positions=128, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return _LM(GPT2LMHeadModel(config)), torch.randint(0, config.vocab_size, (1, 128))
+
+
 # drift only; drift + local error; each without budgets and spot checks (measured apart, below)
 DRIFT = dict(local=False, budgets=False, spot_checks="off")
 BOTH = dict(budgets=False, spot_checks="off")
 
-MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer}
+MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer, "lm gpt2 4x768 v50k b1 s128": lm}
 
 
 def _sync(device: str) -> None:
@@ -66,7 +87,8 @@ def _step_fn(model: nn.Module, x: torch.Tensor):
 
     def step() -> None:
         opt.zero_grad()
-        model(x).square().mean().backward()
+        y = model(x)
+        (y if y.dim() == 0 else y.square().mean()).backward()  # the LM gives its loss
         opt.step()
 
     return step
@@ -107,7 +129,8 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
     model, x = model.to(device), x.to(device)
     # the float64 step runs where shadow replays
     f64_device = replay_device(device, shadow_device)
-    f64_model, f64_x = copy.deepcopy(model).to(f64_device, torch.float64), x.to(f64_device, torch.float64)
+    f64_model = copy.deepcopy(model).to(f64_device, torch.float64)
+    f64_x = x.to(f64_device, torch.float64 if x.is_floating_point() else x.dtype)  # token ids stay integers
     at = dict(shadow_device=shadow_device)
     modes = {"drift": ShadowMode(**at, **DRIFT), "both": ShadowMode(**at, **BOTH),
              "budgets": ShadowMode(**at, **{**BOTH, "budgets": True}), "full": ShadowMode(**at)}
@@ -196,6 +219,8 @@ def main() -> None:
     ap.add_argument("--shadow-device", default="auto",
                     help="where shadows live: auto (default: a GPU with room, else the CPU), cpu, cuda, cuda:1")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (median kept)")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS, key=list(MODELS).index),
+                    metavar="MODEL", help=f"which models (default: all): {', '.join(repr(m) for m in MODELS)}")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -204,7 +229,7 @@ def main() -> None:
     replay = replay_device(args.device, args.shadow_device)
     print(f"torch {torch.__version__}, device {args.device} ({dev_name}), {torch.get_num_threads()} threads, "
           f"shadow_device={args.shadow_device!r}: shadows and replays on {replay}")
-    rows = [bench_model(name, args.device, args.reps, args.shadow_device) for name in MODELS]
+    rows = [bench_model(name, args.device, args.reps, args.shadow_device) for name in args.models]
     for r in rows:
         print(
             f"{r['model']:<30} native {r['native_ms']:8.1f} ms  f64 {r['f64_ms']:8.1f} ms  "

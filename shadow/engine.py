@@ -749,6 +749,14 @@ class Engine:
 
     # --- queries ---
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of t's shadow, wherever the shadows live (shadow_device=)."""
+        v = self.shadow_view(t)
+        with _no_dispatch():
+            return v.to(CPU, copy=True)
+
+    def shadow_view(self, t: torch.Tensor) -> torch.Tensor:
+        """t's shadow as the mirror holds it (a view into its storage's shadow, where the shadows live): to read
+        only, with dispatch disabled, before the next op."""
         if self._deferred:
             self.settle([t])
         with _no_dispatch():
@@ -761,7 +769,7 @@ class Engine:
             if v is None:
                 raise KeyError("shadow_of: this tensor's storage was never seen by this ShadowMode "
                                "(create or use it inside the `with ShadowMode()` block)")
-            return v.to(CPU, copy=True)  # a CPU copy wherever the shadows live (shadow_device=)
+            return v
 
 
 @dataclasses.dataclass(slots=True)

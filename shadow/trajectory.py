@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .metrics import compare
 from .records import Phase, Record
 
 if TYPE_CHECKING:
@@ -69,11 +70,9 @@ class Trajectory:
             for group in opt.param_groups:
                 for p in group["params"]:
                     try:
-                        shadow = self._engine.shadow_of(p)
+                        diff, size = self._distance(p)
                     except (KeyError, TypeError):  # never seen (a frozen parameter): no shadow to compare
                         continue
-                    diff = float(torch.linalg.vector_norm(p.detach().to("cpu", torch.float64) - shadow))
-                    size = float(torch.linalg.vector_norm(shadow))
                     total, norm = total + diff * diff, norm + size * size
                     own = diff / size if size else (math.inf if diff else 0.0)
                     if own > worst_drift:
@@ -81,6 +80,18 @@ class Trajectory:
         params = math.sqrt(total) / math.sqrt(norm) if norm else (math.inf if total else 0.0)
         self.steps.append(StepDrift(len(self.steps) + 1, value, drift, params, worst, worst_drift))
         self._last = self._loss = None
+
+    def _distance(self, p: torch.Tensor) -> tuple[float, float]:
+        """(||p - shadow||, ||shadow||) from one comparison pass over the parameter and its shadow where they lie
+        (a step of a large model: copies of both cost more than the step's own optimizer ops); NaN distance where
+        either holds a NaN or an infinity, as their difference would."""
+        shadow = self._engine.shadow_view(p)
+        st = compare(p.detach(), shadow, p.dtype)
+        if st.nonfinite or st.nonfinite_agreed:
+            return math.nan, float(torch.linalg.vector_norm(shadow))
+        if st.norm == 0.0 or not st.rel_norm < math.inf:  # ||shadow|| is not norm / rel_norm: computed apart
+            return st.norm, float(torch.linalg.vector_norm(shadow))
+        return st.norm, st.norm / st.rel_norm
 
     def _relative(self, t: torch.Tensor) -> tuple[float | None, float | None]:
         try:

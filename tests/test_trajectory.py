@@ -64,3 +64,36 @@ def test_the_trajectory_is_saved_and_loaded(tmp_path):
     sm.report.save(path)
     back = shadow.load_report(path)
     assert back.trajectory == sm.report.trajectory and len(back.trajectory) == 3
+
+
+def _direct(sm: ShadowMode, params) -> tuple[float, float]:
+    """(||p - shadow||, ||shadow||) over ``params``, from copies of both (the definition)."""
+    pairs = [(p.detach().double(), sm.shadow_of(p)) for p in params]
+    return (math.sqrt(sum(float((p - s).norm()) ** 2 for p, s in pairs)),
+            math.sqrt(sum(float(s.norm()) ** 2 for _, s in pairs)))
+
+
+def test_the_parameters_drift_equals_its_definition():
+    """Read in one comparison pass over each parameter and its shadow where they lie, the figure equals
+    ||p - shadow|| / ||shadow|| over the parameters computed from copies, and so does the worst one's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+    with ShadowMode(spot_checks="off", budgets=False) as sm:
+        _train(model, 3, torch.float32)
+        diff, size = _direct(sm, model.parameters())
+        own = {n: _direct(sm, [p]) for n, p in model.named_parameters()}
+    last = sm.report.trajectory[-1]
+    assert last.params == pytest.approx(diff / size, rel=1e-12) and last.params > 0
+    name, (d, s) = max(own.items(), key=lambda kv: kv[1][0] / kv[1][1])
+    assert last.worst.endswith(name) and last.worst_drift == pytest.approx(d / s, rel=1e-12)
+
+
+def test_a_parameter_holding_nan_makes_the_parameters_drift_nan():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ShadowMode(spot_checks="off") as sm:
+        model(torch.randn(2, 4)).sum().backward()
+        model.bias.grad.fill_(math.nan)
+        opt.step()
+    assert math.isnan(sm.report.trajectory[-1].params)
