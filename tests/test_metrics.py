@@ -183,7 +183,7 @@ def _assert_same(got: ErrorStats, want: ErrorStats) -> None:
     for name in EXACT:
         assert getattr(got, name) == getattr(want, name), (name, getattr(got, name), getattr(want, name))
     for name in ("norm", "rel_norm"):
-        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-12, abs=0), name
+        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-12, abs=0, nan_ok=True), name
 
 
 @fused
@@ -243,6 +243,37 @@ def test_fused_figures_do_not_depend_on_the_thread_count():
     args = (y.data_ptr(), *_fused._READ[torch.float32], r.data_ptr(), bound.data_ptr(), r.numel(), bound.numel(),
             _fused._inverse_units(torch.finfo(torch.float32).tiny))
     assert runs[0].tolist() == runs[1].tolist() == serial(*args).tolist() == parallel(*args).tolist()
+
+
+@fused
+@pytest.mark.parametrize("case", ["nan", "overflow", "zero-small", "zero-large"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_finite_chunks_and_the_others_give_the_definitions_figures(case, threads):
+    """Chunks of finite values take the branch-free loop, a chunk holding a NaN or a square that overflows the
+    full one; zero references are counted where the max ulp reaches 1 unit (compare then reports them)."""
+    from shadow import _fused
+
+    y, r = _sample(torch.float32, 4 * _fused.CHUNK + 5, seed=5, sprinkled=False)
+    bound = _bound("tensor", r, torch.float32)
+    k = 2 * _fused.CHUNK + 17  # in the third chunk only
+    if case == "nan":
+        y[k] = math.nan
+    elif case == "overflow":  # |y - r| ** 2 overflows float64: the sum is infinite, an error
+        r = r.clone()
+        r[k] = 1e200
+    elif case == "zero-small":  # below 1 unit: not reported
+        r[k], y[k] = 0.0, torch.finfo(torch.float32).tiny / 4
+    else:
+        r[k], y[k] = 0.0, 1e-30
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = compare(y, r, torch.float32, bound)
+    finally:
+        torch.set_num_threads(old)
+    _assert_same(got, _by_definition(y, r, torch.float32, bound))
+    assert (got.zero_reference == 1) == (case == "zero-large")
+    assert (got.nonfinite_device == 1) == (case == "nan")
 
 
 @fused
