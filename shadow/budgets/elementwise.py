@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ..opsets import DATA_MOVEMENT, PARTIAL_WRITES, SELECTION, VIEW_COPIES
-from .core import Budget, BudgetCall, is_float, magnitude, overloads, register_budget, register_budget_predicate
+from .core import (Budget, BudgetCall, add_into, is_float, magnitude, overloads, register_budget,
+                   register_budget_predicate)
 
 # Data movement and selection: a correct kernel returns its inputs' values exactly; the one rounding it may
 # do is of a Python scalar argument (fill value, clamp bound) or of a cast to the output dtype: 1 ulp. Ops
@@ -76,13 +77,6 @@ def with_operand_term(c: BudgetCall, ulps: float, add_term: Callable[[torch.Tens
     op where it can (the optimizer's add/addcmul/addcdiv/lerp: every parameter, every step), else ``add_into``."""
     r = c.out()
     return c.budget("elementwise", lambda: [add_term(c.ulp_bound(r, ulps))])
-
-
-def add_into(b: torch.Tensor, t: Any) -> torch.Tensor:
-    """b + t, in place in the fresh tensor b where the shapes allow (bounds are large: no third tensor)."""
-    if isinstance(t, torch.Tensor) and torch.broadcast_shapes(b.shape, t.shape) != b.shape:
-        return b + t
-    return b.add_(t)
 
 
 def _arg0(c: BudgetCall) -> Any:

@@ -21,8 +21,8 @@ import torch
 
 from ..opsets import CONVOLUTIONS, MATMULS
 from ..plan import OpPlan
-from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, aten, coefficient, gamma, is_float, overloads,
-                   reduced_dims, register_budget, register_budget_predicate, sumsq)
+from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, aten, coefficient, gamma, is_float,
+                   overloads, reduced_dims, register_budget, register_budget_predicate, sumsq)
 from .elementwise import ULPS
 
 
@@ -141,7 +141,7 @@ def dot_budget(c: BudgetCall) -> Budget:
         terms, r_sq = float((a.abs() * b.abs()).square().sum()), sumsq(r)
         return 2.0 * terms + c.out_rounding_sq(r_sq), accumulation_sq(n, terms, r_sq)
 
-    return c.budget("matmul", lambda: [torch.add(c.final(r), (a.abs() * b.abs()).sum(), alpha=gamma(n, c.ua))],
+    return c.budget("matmul", lambda: [add_into(c.final(r), (a.abs() * b.abs()).sum(), alpha=gamma(n, c.ua))],
                     scale_sq)
 
 
@@ -332,7 +332,7 @@ def fft_budget(c: BudgetCall) -> Budget:
 
     def make():
         xn = torch.linalg.vector_norm(x, dim=dims, keepdim=True)
-        return [torch.add(c.final(r, 2.0), xn, alpha=rel * math.sqrt(n) * herm * norm).expand(r.shape)]
+        return [add_into(c.final(r, 2.0), xn, alpha=rel * math.sqrt(n) * herm * norm).expand(r.shape)]
 
     return c.budget("fft", make)
 
@@ -354,7 +354,7 @@ def cdist_budget(c: BudgetCall) -> Budget:
     if math.isinf(p) or p == 0:
         return c.budget("reduction", lambda: [c.final(r, 2.0) + c.ua * r.abs()])
     rel = (gamma(K, c.ua) + (EXP_ULPS + 1) * c.ua) / abs(p) + EXP_ULPS * c.ua
-    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=rel)])
+    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=rel)])
 
 
 @register_budget(*overloads("linalg_cross", "cross"))
@@ -402,6 +402,6 @@ def trilinear_budget(c: BudgetCall) -> Budget:
 
     def make():
         mag = c.call_with(i1=a["i1"].abs(), i2=a["i2"].abs(), i3=a["i3"].abs())
-        return [torch.add(c.final(r), mag, alpha=gamma(n + 2, c.ua) + 4 * c.u)]
+        return [add_into(c.final(r), mag, alpha=gamma(n + 2, c.ua) + 4 * c.u)]
 
     return c.budget("matmul", make)

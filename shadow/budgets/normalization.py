@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .core import Budget, BudgetCall, gamma, is_float, numel_over, overloads, register_budget
+from .core import Budget, BudgetCall, add_into, gamma, is_float, numel_over, overloads, register_budget
 
 
 @dataclasses.dataclass(slots=True)
@@ -181,8 +181,8 @@ def rms_norm_budget(c: BudgetCall) -> Budget:
     v = _ln_view(c.a["input"], c.a["normalized_shape"])
     rel = 0.5 * gamma(v.n + 1, c.ua) + 3 * c.ua
     y, rstd = c.out(0), c.out(1)
-    return c.budget("norm", lambda: [torch.add(c.final(y), y.abs(), alpha=rel + 3 * c.ua),
-                                     torch.add(c.final(rstd), rstd.abs(), alpha=rel)])
+    return c.budget("norm", lambda: [add_into(c.final(y), y.abs(), alpha=rel + 3 * c.ua),
+                                     add_into(c.final(rstd), rstd.abs(), alpha=rel)])
 
 
 def _bcast_sum(t: torch.Tensor, shape: Sequence[int], dims: Sequence[int]) -> torch.Tensor:
@@ -231,12 +231,12 @@ def _norm_backward(c: BudgetCall, v: _NormView, dy: torch.Tensor, mu: torch.Tens
         # (squares summed: torch's norm kernels are slow over leading dims)
         s = dyv.square().sum(v.param_dims).sqrt() * _bcast_sum(cw, v.x.shape, v.param_dims).reshape(
             [s for i, s in enumerate(cw.shape) if i not in v.param_dims] or [1]).sqrt()
-        bounds.append(torch.add(c.final(dw), s.reshape(dw.shape), alpha=gamma(R, c.ua) + 2 * c.ua))
+        bounds.append(add_into(c.final(dw), s.reshape(dw.shape), alpha=gamma(R, c.ua) + 2 * c.ua))
     else:
         bounds.append(None)
     if is_float(db):
         s1 = dyv.abs().sum(v.param_dims)
-        bounds.append(torch.add(c.final(db), s1.reshape(db.shape), alpha=gamma(R, c.ua)))
+        bounds.append(add_into(c.final(db), s1.reshape(db.shape), alpha=gamma(R, c.ua)))
     else:
         bounds.append(None)
     return bounds

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .core import (Budget, BudgetCall, budget_for, coefficient, foreach_base, magnitude, overloads, register_budget,
-                   register_budget_predicate)
-from .elementwise import ULPS, add_into, with_operand_term
+from .core import (Budget, BudgetCall, add_into, budget_for, coefficient, foreach_base, magnitude, overloads,
+                   register_budget, register_budget_predicate)
+from .elementwise import ULPS, with_operand_term
 
 ARITH_ULPS = ULPS["arith"]
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, coefficient, gamma, magnitude, numel_over,
-                   overloads, reduced_dims, register_budget, sumsq)
+from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, coefficient, gamma, magnitude,
+                   numel_over, overloads, reduced_dims, register_budget, sumsq)
 from .elementwise import ULPS
 
 
@@ -61,7 +61,7 @@ def sum_budget(c: BudgetCall, *, mean: bool = False, nan: bool = False) -> Budge
     def make():
         s, n = _reduced(x, c.a.get("dim"), bool(c.a.get("keepdim")), _nansum_abs if nan else _sum_abs)
         g = gamma(n + (1 if mean else 0), c.ua)
-        return [torch.add(c.final(r), s, alpha=g / n if mean else g)]
+        return [add_into(c.final(r), s, alpha=g / n if mean else g)]
 
     def scale_sq():
         n = _reduced_numel(c, x)
@@ -83,7 +83,7 @@ def prod_budget(c: BudgetCall) -> Budget:
     the device dtype, so gamma_n(u): a product has no cancellation for a wider accumulator to save."""
     x, r = c.a["self"], c.out()
     n = _reduced_numel(c, x)
-    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=gamma(n, c.u))])
+    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
 
 
 @register_budget(*overloads("cumsum"))
@@ -100,7 +100,7 @@ def cumsum_budget(c: BudgetCall) -> Budget:
         w = torch.arange(n, 0, -1, dtype=torch.float64, device=rr.device).reshape([n if i == d else 1 for i in range(rr.dim())])
         return sumsq(x) + c.out_rounding_sq(sumsq(r)), float(torch.nansum(rr.square() * w))
 
-    return c.budget("reduction", lambda: [torch.add(c.final(r), _at_least_1d(x).abs().cumsum(dim).reshape(x.shape),
+    return c.budget("reduction", lambda: [add_into(c.final(r), _at_least_1d(x).abs().cumsum(dim).reshape(x.shape),
                                                     alpha=gamma(n, c.ua))], scale_sq)
 
 
@@ -108,7 +108,7 @@ def cumsum_budget(c: BudgetCall) -> Budget:
 def cumprod_budget(c: BudgetCall) -> Budget:
     x, r = c.a["self"], c.out()
     n = x.shape[c.a["dim"]] if x.dim() else 1
-    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=gamma(n, c.ua))])
+    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.ua))])
 
 
 def _lse_abs_bound(c: BudgetCall, n: int, r: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def _lse_abs_bound(c: BudgetCall, n: int, r: torch.Tensor) -> torch.Tensor:
     off by ua*|x_j - m| relative; weighted by p_j = exp(x_j - lse) that is ua * sum p_j (m - x_j) <= ua * H(p)
     <= ua * log(n) (H the entropy); the sum adds gamma_n(ua), exp/log EXP_ULPS*ua each, the final add ua*|r|."""
     const = c.ua * (math.log(max(n, 1)) + 2 * EXP_ULPS) + gamma(n, c.ua)
-    return torch.add(c.final(r, 2.0) + const, r.abs(), alpha=c.ua)
+    return add_into(c.final(r, 2.0) + const, r.abs(), alpha=c.ua)
 
 
 @register_budget(*overloads("logsumexp"))
@@ -162,7 +162,7 @@ def var_budget(c: BudgetCall, *, std: bool, with_mean: bool) -> Budget:
         bounds = [main + c.final(r)]
         if with_mean:
             m = c.out(1)
-            bounds.append(torch.add(c.final(m), s2.sqrt(), alpha=gamma(n + 1, c.ua) / math.sqrt(max(n, 1))))
+            bounds.append(add_into(c.final(m), s2.sqrt(), alpha=gamma(n + 1, c.ua) / math.sqrt(max(n, 1))))
         return bounds
 
     return c.budget("reduction", make)
@@ -187,7 +187,7 @@ def norm_budget(c: BudgetCall) -> Budget:
     rel = (gamma(n, c.ua) + EXP_ULPS * c.ua) / abs(p) + EXP_ULPS * c.ua
     # the sum S of positive terms |x|**p accumulates as accumulation_sq (its term K/3 S**2 dominates), and
     # r = S**(1/p) carries 1/p of S's relative error: sum over outputs of K/3 (r/p)**2
-    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=rel)],
+    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=rel)],
                     lambda: (sumsq(r), n / (3.0 * p * p) * sumsq(r)))
 
 
@@ -279,7 +279,7 @@ def _linear_sum(c: BudgetCall, names: Sequence[str], n: int) -> Budget:
 
     def make():
         mag = c.call_with(**{k: magnitude(c.a[k]) for k in names if isinstance(c.a.get(k), (torch.Tensor, int, float))})
-        return [torch.add(c.final(r), mag, alpha=gamma(n + 1, c.u))]
+        return [add_into(c.final(r), mag, alpha=gamma(n + 1, c.u))]
 
     return c.budget("reduction", make)
 
@@ -345,7 +345,7 @@ def scatter_reduce_budget(c: BudgetCall) -> Budget:
     if red in ("sum", "mean"):
         return _linear_sum(c, ["self", "src", "source"], n + 1)
     r = c.out()  # prod: relative, multiplied in the device dtype
-    return c.budget("reduction", lambda: [torch.add(c.final(r), r.abs(), alpha=gamma(n, c.u))])
+    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
 
 
 @register_budget(*overloads("_embedding_bag", "_embedding_bag_forward_only"))
@@ -359,7 +359,7 @@ def embedding_bag_budget(c: BudgetCall) -> Budget:
     def make():
         psw = a.get("per_sample_weights")
         mag = c.call_with(weight=a["weight"].abs(), per_sample_weights=None if psw is None else psw.abs())[0]
-        return [torch.add(c.final(r), mag, alpha=gamma(n, c.u))] + [None] * (len(c.outputs) - 1)
+        return [add_into(c.final(r), mag, alpha=gamma(n, c.u))] + [None] * (len(c.outputs) - 1)
 
     return c.budget("reduction", make)
 
@@ -369,7 +369,7 @@ def embedding_bag_psw_backward_budget(c: BudgetCall) -> Budget:
     """One dot product of length D per index: gamma_D(ua) * (the op on magnitudes)."""
     a, r = c.a, c.out()
     D = a["weight"].shape[-1]
-    return c.budget("reduction", lambda: [torch.add(c.final(r), c.call_with(grad=a["grad"].abs(),
+    return c.budget("reduction", lambda: [add_into(c.final(r), c.call_with(grad=a["grad"].abs(),
                                                                             weight=a["weight"].abs()),
                                                     alpha=gamma(D + 2, c.ua) + 2 * c.u)])
 
@@ -392,7 +392,7 @@ def upsample_linear_budget(c: BudgetCall) -> Budget:
     def make():
         mag = c.call_with(**{key: x.abs()})
         coord = 4 * c.u * sum(x.shape[2:]) * x.abs().amax(tuple(range(2, x.dim())), keepdim=True)
-        return [torch.add(c.final(r) + coord, mag, alpha=gamma(2 ** d + 2, c.u))]
+        return [add_into(c.final(r) + coord, mag, alpha=gamma(2 ** d + 2, c.u))]
 
     return c.budget("elementwise", make)
 
@@ -430,6 +430,6 @@ def upsample_backward_budget(c: BudgetCall) -> Budget:
     def make():
         gmax = g.abs().amax(tuple(range(2, g.dim())), keepdim=True) if g.dim() > 2 else g.abs()
         k = (gamma(count * 2 ** d + 2, c.u) + 8 * c.u * sum(ins)) * cw * count
-        return [torch.add(c.final(r), gmax.expand(r.shape[:2] + (1,) * d), alpha=k).expand(r.shape)]
+        return [add_into(c.final(r), gmax.expand(r.shape[:2] + (1,) * d), alpha=k).expand(r.shape)]
 
     return c.budget("elementwise", make)
