@@ -97,13 +97,18 @@ class Change:
         return self.a.local_ulp, self.b.local_ulp
 
     def own_worse(self, factor: float = FACTOR, floor: float = FLOOR) -> bool:
-        """B's own error is ``factor`` times A's or more, above the floor (budget share; 1 ulp without a budget);
-        or B has calls over budget, or NaN/Inf disagreements, where A had none."""
+        """B's own error is ``factor`` times A's or more, above the floor (budget share; 1 ulp without a budget),
+        and B reads fewer effective bits where both sides read them; or B has calls over budget, or NaN/Inf
+        disagreements, where A had none. Effective bits are the rms error over the op's scale: a kernel reading
+        its dtype's full precision on both sides has not changed, whatever its worst element did (a 1024-term
+        mean moved 0.2 -> 1.0 ulp between fp32 and TF32 runs, its inputs rounded differently upstream)."""
         a, b = self._own()
         floor = floor if self.budgeted else 1.0
+        bits_a, bits_b = self.a.effective_bits, self.b.effective_bits
+        same_bits = self.budgeted and bits_a is not None and bits_b is not None and bits_b >= bits_a
         newly_over = self.b.over_calls > 0 and self.a.over_calls == 0
         newly_nonfinite = self.b.nonfinite > 0 and self.a.nonfinite == 0
-        return (_factor(a, b) >= factor and b >= floor) or newly_over or newly_nonfinite
+        return (_factor(a, b) >= factor and b >= floor and not same_bits) or newly_over or newly_nonfinite
 
     def own_better(self, factor: float = FACTOR, floor: float = FLOOR) -> bool:
         return Change(self.key, self.b, self.a).own_worse(factor, floor)

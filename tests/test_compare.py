@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shadow import ShadowMode
-from shadow.compare import CompareError, align, compare
+from shadow.compare import Change, CompareError, Figures, align, compare
 from shadow.modes import TF32Mode
 
 
@@ -72,6 +72,21 @@ def test_tf32_matmuls_got_worse(fp32, tf32):
     back = compare(tf32, fp32)  # the other way round: better, not worse
     assert back.worse("op") == [] and {c.key for c in back.better("op")} == {"aten.mm.default", "aten.addmm.default"}
     assert back.verdict == "verdict: B is better: no op's own error got worse, some got better"
+
+
+def test_a_kernel_at_full_precision_on_both_sides_did_not_change():
+    """The worst element of a correct kernel moves with its inputs: a 5x larger budget share at the same effective
+    bits (the dtype's 23, on both sides) is no change; fewer bits with it, or a call over budget, is."""
+    def fig(used, bits, over=0):
+        return Figures(calls=1, budget_used=used, local_ulp=1.0, effective_bits=bits, drift=0.0, over_calls=over,
+                       nonfinite=0)
+
+    assert not Change("mean", fig(0.004, 23.0), fig(0.02, 23.0)).own_worse()
+    assert not Change("mean", fig(0.02, 23.0), fig(0.004, 23.0)).own_better()
+    assert Change("mean", fig(0.004, 23.0), fig(0.02, 21.5)).own_worse()  # 1.5 bits fewer
+    assert Change("mean", fig(0.004, 23.0), fig(1.5, 23.0, over=1)).own_worse()  # over budget, whatever the bits
+    assert Change("mean", fig(0.004, None), fig(0.02, None)).own_worse()  # no bits read: the budget share decides
+    assert not Change("mean", fig(0.001, 20.0), fig(0.004, 18.0)).own_worse()  # below the floor on both sides
 
 
 def test_identical_runs_nothing_changed(fp32):
