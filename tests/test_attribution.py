@@ -3,6 +3,9 @@ optimizer ops and their temporaries; and FaultMode, which puts an error of known
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -71,6 +74,43 @@ def test_an_in_place_module_keeps_its_backward():
     sm = _shadowed_step(model, torch.randn(5, 4))
     assert _modules(sm, "aten.threshold_backward.default", "backward") == ["Sequential.1"]
     assert _modules(sm, "aten.mm.default", "backward") == ["Sequential.2", "Sequential.2", "Sequential.0"]
+
+
+# --- the tracker's gradient hooks: removed, so that nothing outlives the run ---
+def test_a_dropped_shadow_mode_frees_its_shadows():
+    """A multi-grad hook left registered on an autograd node holds, through its callback, the tracker, its
+    ShadowMode and every shadow: a cycle through C++ no collection frees. The mode used to keep them all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters())
+    sm = ShadowMode(spot_checks="off")
+    with sm:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(5, 4)).square().mean().backward()
+            opt.step()
+    assert sm.memory()["shadow_bytes"] > 0
+    mirror = weakref.ref(sm._engine.mirror)
+    del sm
+    gc.collect()
+    assert mirror() is None
+
+
+def test_gradient_hooks_do_not_pile_up_over_steps():
+    """Fired hooks are removed at the next forward: after any number of steps one step's hooks wait, at most;
+    on exit none. Each step's backward is still charged to its modules."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    sm = ShadowMode(spot_checks="off")
+    tracker = sm._engine.attr._tracker
+    held = []
+    with sm:
+        for _ in range(5):
+            model(torch.randn(5, 4)).sum().backward()
+            held.append(len(tracker._waiting) + len(tracker._fired))
+    assert held[0] > 0 and held == [held[0]] * 5
+    assert not tracker._waiting and not tracker._fired
+    assert _modules(sm, "aten.mm.default", "backward") == ["Sequential.2", "Sequential.2", "Sequential.0"] * 5
 
 
 # --- optimizer steps: each op charged to the parameter it updates ---
