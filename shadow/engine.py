@@ -31,6 +31,7 @@ from .replay import REPLAY, Replay, defined_regions, view_rule
 from .replay.table import Deferred
 from .report import Report, merged
 from .rules import run_chain
+from .scratch import SHARE as SCRATCH_SHARE, Scratch
 from .spot import SpotPolicy, SpotStats
 
 _INF = math.inf
@@ -146,6 +147,7 @@ class Engine:
         self.mirror = Mirror(options.follow == "reference",
                              Placement(options.shadow_device, options.max_shadow_bytes or 0))
         self.spot = SpotPolicy(options.spot_checks)
+        self.scratch = Scratch()  # reused memory for an op call's large temporaries (shadow.scratch)
         self._plans: dict[Any, tuple[OpPlan, tuple] | None] = {}
         self._index = 0
         # shadow.attribute's hooks (None in a plain ShadowMode): how an ablation world rewrites a call's shadows,
@@ -291,6 +293,8 @@ class Engine:
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:
         p = Prepared(plan, chain, inputs=[], storages=set())
+        held, cap = self.mirror.held, self.opt.max_shadow_bytes
+        self.scratch.set_limit(SCRATCH_SHARE * held if cap is None else min(SCRATCH_SHARE * held, cap - held))
         read: dict[int, torch.Tensor] = {}  # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
 
         def shadow(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
@@ -309,7 +313,7 @@ class Engine:
             def up(t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
                 c = seen.get(id(t))
                 if c is None:
-                    c = seen[id(t)] = self.mirror.upcast(t)
+                    c = seen[id(t)] = self.scratch.copy(t, self.mirror.shadow_dtype(t.dtype) or t.dtype, place(t.device))
                 return c
 
             p.local = _remapped(plan, place, *plan.map_tensors(args, kwargs, up))
@@ -337,8 +341,13 @@ class Engine:
         if not written:
             return Args(list(ref.args), dict(ref.kwargs))
         skip = plan.out_args if p.spot or reads_overwritten(plan.func) else plan.write_args
-        return Args(*plan.map_tensors(
-            ref.args, ref.kwargs, lambda t, _: t.clone() if t.untyped_storage().data_ptr() in written else t, skip))
+
+        def snapshot(t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in written:
+                return t
+            return self.scratch.copy(t, t.dtype, t.device)
+
+        return Args(*plan.map_tensors(ref.args, ref.kwargs, snapshot, skip))
 
     def _shadow_arg(self, p: Prepared, t: torch.Tensor, write: bool, declared: bool) -> torch.Tensor:
         if t.device.type == "meta":
@@ -584,7 +593,8 @@ class Engine:
         if not refs:
             return None
         slots = [refs.get(i) for i in range(max(outputs.slots, max(refs) + 1))]  # None where an output is absent
-        return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype))
+        return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype,
+                                                                 scratch=self.scratch))
 
     def _guarded(self, p: Prepared, value: Any, build: Callable[[], Any]) -> Any:
         """``value`` once ``build()`` succeeded (``build()``'s result when value is None); None when a budget

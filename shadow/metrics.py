@@ -104,11 +104,12 @@ def precision_bits(dtype: torch.dtype) -> int:
 _EXP_BITS = 0x7FF0000000000000  # the exponent field of a float64
 
 
-def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0) -> torch.Tensor:
+def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """``times`` spacings of ``dtype`` at each |r| (r a float64 tensor, or complex128: its modulus; the sign
     of a real r is never read):
     2**(e - p) for |r| in [2**e, 2**(e+1)), the subnormal spacing below the smallest normal. One new
-    tensor, written in place (a fresh large tensor costs more in page faults than the arithmetic).
+    tensor, written in place (a fresh large tensor costs more in page faults than the arithmetic), or
+    ``out`` (float64, contiguous, r's shape).
 
     >>> s = spacing(torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64), torch.float32)
     >>> s.tolist() == [2.0**-23, 2.0**-22, 2.0**-149]
@@ -116,7 +117,9 @@ def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0) -> torch.Te
     """
     if r.is_complex():
         r = r.abs()
-    return _pow2_floor(r, torch).clamp_min_(torch.finfo(dtype).tiny).mul_(times * 2.0 ** -precision_bits(dtype))
+    floor = _pow2_floor(r, torch) if out is None else \
+        torch.bitwise_and(r.view(torch.int64), _EXP_BITS, out=out.view(torch.int64)).view(torch.float64)
+    return floor.clamp_min_(torch.finfo(dtype).tiny).mul_(times * 2.0 ** -precision_bits(dtype))
 
 
 def _pow2_floor(r: Any, xp: Any) -> Any:

@@ -21,6 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import ShadowOptionError
+from .scratch import copy
 
 _SWEEP_EVERY = 64  # new entries between sweeps: bounds the shadow memory kept for dead storages
 
@@ -265,10 +266,7 @@ class Mirror:
 
     def upcast(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of t in its shadow dtype on its shadow device: exact for every floating dtype."""
-        sd = self.shadow_dtype(t.dtype) or t.dtype
-        if t._is_zerotensor():
-            return torch.zeros(t.shape, dtype=sd, device=self.place(t.device))
-        return t.detach().to(device=self.place(t.device), dtype=sd, copy=True)
+        return copy(t, self.shadow_dtype(t.dtype) or t.dtype, self.place(t.device))
 
     def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()

@@ -271,10 +271,18 @@ class BudgetCall:
     dtype: torch.dtype
     u: float
     ua: float
+    scratch: Any = None  # shadow.scratch.Scratch: reused memory for the bounds' large temporaries (None: fresh)
 
     @property
     def func(self) -> OpOverload:
         return self.plan.func
+
+    def empty(self, r: torch.Tensor) -> torch.Tensor:
+        """A contiguous real tensor shaped like r, for a temporary of the bound (reused memory when large)."""
+        dtype = r.dtype.to_real() if r.is_complex() else r.dtype
+        if self.scratch is None or r.device.type != "cpu":
+            return torch.empty(r.shape, dtype=dtype, device=r.device)
+        return self.scratch.empty(r.shape, dtype)
 
     def out(self, i: int = 0) -> torch.Tensor:
         return self.outputs[i]
@@ -291,11 +299,12 @@ class BudgetCall:
 
     def final(self, r: torch.Tensor, c: float = 1.0) -> torch.Tensor:
         """c roundings of the result to the device dtype: c*u*|r| + c subnormal spacings."""
-        return r.abs().mul_(c * self.u).add_(self.floor(c))  # in place: one tensor (large outputs fault pages)
+        # in place, in one temporary: a fresh large tensor costs more in page faults than the arithmetic
+        return torch.abs(r, out=self.empty(r)).mul_(c * self.u).add_(self.floor(c))
 
     def ulp_bound(self, r: torch.Tensor, n: float) -> torch.Tensor:
         """n units in the last place of the device dtype at each value of r."""
-        return spacing(r, self.dtype.to_real() if self.dtype.is_complex else self.dtype, n)
+        return spacing(r, self.dtype.to_real() if self.dtype.is_complex else self.dtype, n, out=self.empty(r))
 
     def out_rounding(self, r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """m plus the final rounding to the device dtype when the accumulation is wider (bf16/fp16 results):
@@ -391,12 +400,13 @@ def overloads(*names: str) -> list[OpOverload]:
 
 
 def budget_for(func: OpOverload, args: Sequence, kwargs: dict, outputs: Sequence[Any] | Any,
-               dtype: torch.dtype) -> Budget:
+               dtype: torch.dtype, *, scratch: Any = None) -> Budget:
     """The budget of one call of ``func``.
 
     ``args``/``kwargs``: the op's device inputs upcast exactly to float64 on the CPU, as *before* the op
     ran (in-place ops overwrite them); ``outputs``: the float64 reference results, flattened (a single
-    tensor is accepted); ``dtype``: the device dtype the error is measured in (the output's).
+    tensor is accepted); ``dtype``: the device dtype the error is measured in (the output's); ``scratch``: a
+    ``shadow.scratch.Scratch`` the bounds' large temporaries may use (the engine's).
 
     >>> a = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]], dtype=torch.float64)
     >>> b = budget_for(aten.mm.default, (a, a.T), {}, [a @ a.T], torch.float32)
@@ -409,7 +419,7 @@ def budget_for(func: OpOverload, args: Sequence, kwargs: dict, outputs: Sequence
         return Budget.in_ulps("empty", 0.0, outputs, dtype)
     plan = plan_of(func)
     call = BudgetCall(plan, plan.bind(args, kwargs), list(outputs), dtype, unit_roundoff(dtype),
-                      unit_roundoff(accumulation_dtype(dtype)))
+                      unit_roundoff(accumulation_dtype(dtype)), scratch)
     return BUDGETS.run(func, call)
 
 

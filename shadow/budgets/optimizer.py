@@ -98,7 +98,8 @@ def foreach_budget(c: BudgetCall) -> Budget:
         if c.plan.base == "_foreach_norm":  # (self[], ord, dtype) -> linalg_vector_norm(self, ord)
             elems = elems[:2]
         kw = {k: (v[i] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in kwargs.items()}
-        subs.append(budget_for(base, elems[: len(base._schema.arguments)], kw, [c.outputs[i]], c.dtype))
+        subs.append(budget_for(base, elems[: len(base._schema.arguments)], kw, [c.outputs[i]], c.dtype,
+                               scratch=c.scratch))
     families = {b.family for b in subs}
     ulps = {b.ulps for b in subs}
     return Budget(families.pop() if len(families) == 1 else "foreach", lambda: [b.bound[0] for b in subs],

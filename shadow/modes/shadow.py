@@ -146,6 +146,7 @@ class ShadowMode:
             self._mode.__exit__(*exc)
         finally:
             self._stepped.remove()
+            self._engine.scratch.clear()  # working memory of op calls: none runs outside the block
             self._attr.__exit__(*exc)
             self._mode = None
             for handle in self._adopting.values():
@@ -166,7 +167,9 @@ class ShadowMode:
         return self._engine.shadow_of(t)
 
     def memory(self) -> dict[str, int]:
-        """Bytes held by live shadows, and the device bytes they mirror."""
+        """Bytes held by live shadows, the device bytes they mirror, and the working memory kept for the large
+        temporaries of op calls (``shadow.scratch``)."""
         with torch._C._DisableTorchDispatch():
             self._engine.mirror.sweep()
-            return {"shadow_bytes": self._engine.mirror.shadow_bytes(), "device_bytes": self._engine.mirror.device_bytes()}
+            return {"shadow_bytes": self._engine.mirror.shadow_bytes(), "device_bytes": self._engine.mirror.device_bytes(),
+                    "scratch_bytes": self._engine.scratch.held}
