@@ -109,7 +109,7 @@ def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0, out: torch.
     of a real r is never read):
     2**(e - p) for |r| in [2**e, 2**(e+1)), the subnormal spacing below the smallest normal. One new
     tensor, written in place (a fresh large tensor costs more in page faults than the arithmetic), or
-    ``out`` (float64, contiguous, r's shape).
+    ``out`` (float64, r's shape and layout).
 
     >>> s = spacing(torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64), torch.float32)
     >>> s.tolist() == [2.0**-23, 2.0**-22, 2.0**-149]

@@ -50,14 +50,12 @@ class Scratch:
         stride = torch.empty_like(t, dtype=dtype, device="meta").stride()  # preserve_format, as .to does
         return self._tensor(t.shape, stride, dtype).copy_(t.detach())
 
-    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """A contiguous CPU tensor of uninitialized values, in pooled memory when it is large."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel * dtype.itemsize < MIN_BYTES:
-            return torch.empty(shape, dtype=dtype)
-        return self._tensor(shape, torch.empty(shape, dtype=dtype, device="meta").stride(), dtype)
+    def empty_like(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized CPU tensor with t's shape and layout (as ``torch.empty_like``) in ``dtype``, in
+        pooled memory when it is large."""
+        if t.numel() * dtype.itemsize < MIN_BYTES:
+            return torch.empty_like(t, dtype=dtype, device="cpu")
+        return self._tensor(t.shape, torch.empty_like(t, dtype=dtype, device="meta").stride(), dtype)
 
     def _tensor(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
         numel = 1

@@ -66,8 +66,8 @@ def test_the_pool_holds_at_most_its_limit_and_small_tensors_never():
     pool.set_limit(2 * BIG * 8)
     pool.copy(torch.randn(2 * BIG), f64, CPU)  # a larger one evicts the free smaller one
     assert pool.held == 2 * BIG * 8
-    e = pool.empty((2, BIG))
-    assert e.shape == (2, BIG) and e.is_contiguous() and e.dtype == f64 and pool.held == 2 * BIG * 8
+    e = pool.empty_like(torch.empty(BIG, 2, dtype=torch.float32).t(), f64)  # empty_like's layout: transposed
+    assert e.shape == (2, BIG) and e.stride() == (1, 2) and e.dtype == f64 and pool.held == 2 * BIG * 8
     pool.set_limit(0)  # a lower limit lets go of free storages only
     assert pool.held == 2 * BIG * 8
     del e

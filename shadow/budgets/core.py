@@ -278,11 +278,11 @@ class BudgetCall:
         return self.plan.func
 
     def empty(self, r: torch.Tensor) -> torch.Tensor:
-        """A contiguous real tensor shaped like r, for a temporary of the bound (reused memory when large)."""
+        """A real tensor with r's shape and layout, for a temporary of the bound (reused memory when large)."""
         dtype = r.dtype.to_real() if r.is_complex() else r.dtype
         if self.scratch is None or r.device.type != "cpu":
-            return torch.empty(r.shape, dtype=dtype, device=r.device)
-        return self.scratch.empty(r.shape, dtype)
+            return torch.empty_like(r, dtype=dtype)
+        return self.scratch.empty_like(r, dtype)
 
     def out(self, i: int = 0) -> torch.Tensor:
         return self.outputs[i]

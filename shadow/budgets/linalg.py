@@ -34,29 +34,30 @@ from .elementwise import ULPS
 EXACT_MAGNITUDE_MACS = 1 << 16
 
 
-def _sq_sum(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+def _sq_sum(c: BudgetCall, t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
     """sum of |t|**2 along dim, by the faster way for t's layout: vector_norm reduces a unit-stride dim
     several times faster than square + sum, and a strided one several times slower (weights seen
-    transposed, W.T, are the rule in backward)."""
+    transposed, W.T, are the rule in backward); the squares in one temporary (``c.empty``)."""
     if t.dim() and t.stride(dim) == 1 and not t.is_complex():
         return torch.linalg.vector_norm(t, dim=dim, keepdim=keepdim).square_()
-    return t.abs().square_().sum(dim, keepdim=keepdim) if t.is_complex() else t.square().sum(dim, keepdim=keepdim)
+    squares = torch.abs(t, out=c.empty(t)).square_() if t.is_complex() else torch.square(t, out=c.empty(t))
+    return squares.sum(dim, keepdim=keepdim)
 
 
-def _mm_magnitude(A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, base: Any = 0.0) -> torch.Tensor:
+def _mm_magnitude(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, base: Any = 0.0) -> torch.Tensor:
     """base + scale * (an upper bound of |A| @ |B|), batched on leading dims: exact when small,
     Cauchy-Schwarz else (one fused pass over the M x N result)."""
     if A.numel() and B.numel() and A.numel() * B.shape[-1] <= EXACT_MAGNITUDE_MACS:
         return torch.add(base, A.abs() @ B.abs(), alpha=scale)
-    na = _sq_sum(A, -1, keepdim=True).sqrt_().mul_(scale)
-    nb = _sq_sum(B, -2, keepdim=True).sqrt_()
+    na = _sq_sum(c, A, -1, keepdim=True).sqrt_().mul_(scale)
+    nb = _sq_sum(c, B, -2, keepdim=True).sqrt_()
     return torch.addcmul(torch.as_tensor(base, dtype=torch.float64), na, nb)
 
 
-def _mm_scale_sq(A: torch.Tensor, B: torch.Tensor) -> float:
+def _mm_scale_sq(c: BudgetCall, A: torch.Tensor, B: torch.Tensor) -> float:
     """Two roundings (one per operand) of every product a_ik b_kj: 2 sum_k (sum_i a_ik^2)(sum_j b_kj^2)."""
-    ca = _sq_sum(A, -2)  # [..., K]
-    rb = _sq_sum(B, -1)  # [..., K]
+    ca = _sq_sum(c, A, -2)  # [..., K]
+    rb = _sq_sum(c, B, -1)  # [..., K]
     return 2.0 * float(torch.linalg.vecdot(ca, rb).sum())
 
 
@@ -71,12 +72,12 @@ def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: A
         # beta and alpha may be rounded to the device dtype (bf16 addmm does): one u each where they scale
         if use_bias:
             base = base + ((g + (2 * c.u if beta != 1 else 0)) * abs(beta)) * bias.abs()
-        out = _mm_magnitude(A, B, (g + (2 * c.u if alpha != 1 else 0)) * abs(alpha), base)
+        out = _mm_magnitude(c, A, B, (g + (2 * c.u if alpha != 1 else 0)) * abs(alpha), base)
         out = out.reshape(r.shape) if out.numel() == r.numel() else out.expand(r.shape)
         return [c.out_rounding(r, out)]
 
     def scale_sq():
-        s, r_sq = _mm_scale_sq(A, B) * abs(alpha) ** 2, sumsq(r)
+        s, r_sq = _mm_scale_sq(c, A, B) * abs(alpha) ** 2, sumsq(r)
         acc = accumulation_sq(K, s / 2, r_sq)
         if use_bias:
             # a broadcast repeats every element of bias equally often
