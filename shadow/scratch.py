@@ -1,5 +1,5 @@
 """Reused CPU memory for the large float64 temporaries of an op call: the device's inputs upcast for the
-local replay.
+local replay, the inputs an in-place op overwrites as they were before it, the temporaries of the bounds.
 
 glibc hands out a fresh CPU tensor above its mmap threshold (32 MB at most) as new pages, which fault in at
 the first write: upcasting 38.6M float32 elements (the LM-shaped model's embedding, its gradient, Adam's
@@ -9,17 +9,22 @@ benchmarks/RESULTS.md). Every optimizer op on such a parameter upcasts several o
 ``Scratch`` keeps the storages of such temporaries and hands one out again only when nothing refers to it:
 the pool holds the storage alone, so its use count is 1 exactly when every tensor made from it is gone. Nothing
 is given back by hand, and a temporary kept past its op (a spot check's inputs, a budget's) only keeps its
-buffer from being reused. The pool holds at most ``SHARE`` of the bytes of the shadows (``Mirror.held``), and
-never more than ``ShadowMode(max_shadow_bytes=...)`` leaves beside them: what it keeps is what the largest op
-calls allocate anyway, at their peak, without it. ``ShadowMode.memory()`` reports it; the mode's exit lets it go.
+buffer from being reused. The pool holds at most ``SHARE`` of the bytes the mirror holds (``Mirror.held``: the
+shadows of storages dead since its last sweep included), and never more than ``ShadowMode(max_shadow_bytes=...)``
+leaves beside them: what it keeps is what the largest op calls allocate anyway, at their peak, without it.
+``ShadowMode.memory()`` reports it; the mode's exit lets it go.
 """
 
 from __future__ import annotations
 
 import torch
 
-MIN_BYTES = 8 << 20  # smaller temporaries come from glibc's heap, already faulted in: not worth a pool
+# glibc serves smaller ones from its heap, in memory already touched (its mmap threshold grows to 32 MB as mapped
+# chunks are freed): a fresh 64 MB upcast took 18 ms and one into touched memory 3.2 ms; 16 to 32 MB, alike
+MIN_BYTES = 32 << 20
 SHARE = 0.25  # the pool's bytes at most, as a share of the shadows' bytes
+# a storage's use count (torch 2.4 to 2.13 have it): without it nothing tells a free buffer, and nothing is pooled
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Scratch:
@@ -44,7 +49,7 @@ class Scratch:
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``copy(t, dtype, device)``, in pooled memory when it is a large copy from the CPU to the CPU."""
-        if t.numel() * dtype.itemsize < MIN_BYTES or device.type != "cpu" or t.device.type != "cpu" \
+        if not self._pools(t.numel() * dtype.itemsize) or device.type != "cpu" or t.device.type != "cpu" \
                 or t._is_zerotensor():
             return copy(t, dtype, device)
         stride = torch.empty_like(t, dtype=dtype, device="meta").stride()  # preserve_format, as .to does
@@ -53,9 +58,13 @@ class Scratch:
     def empty_like(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized CPU tensor with t's shape and layout (as ``torch.empty_like``) in ``dtype``, in
         pooled memory when it is large."""
-        if t.numel() * dtype.itemsize < MIN_BYTES:
+        if not self._pools(t.numel() * dtype.itemsize):
             return torch.empty_like(t, dtype=dtype, device="cpu")
         return self._tensor(t.shape, torch.empty_like(t, dtype=dtype, device="meta").stride(), dtype)
+
+    @staticmethod
+    def _pools(nbytes: int) -> bool:
+        return nbytes >= MIN_BYTES and _use_count is not None
 
     def _tensor(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
         numel = 1
@@ -69,7 +78,7 @@ class Scratch:
         for i, s in enumerate(self._storages):
             n = s.nbytes()
             if nbytes <= n <= 2 * nbytes and (best is None or n < self._storages[best].nbytes()) \
-                    and torch._C._storage_Use_Count(s._cdata) == 1:
+                    and _use_count(s._cdata) == 1:
                 best = i
         if best is not None:
             s = self._storages.pop(best)
@@ -87,7 +96,7 @@ class Scratch:
         i = 0
         while self.held + room > self.limit and i < len(self._storages):
             s = self._storages[i]
-            if torch._C._storage_Use_Count(s._cdata) == 1:
+            if _use_count(s._cdata) == 1:
                 self.held -= s.nbytes()
                 del self._storages[i]
             else:

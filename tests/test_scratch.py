@@ -78,7 +78,7 @@ def test_the_pool_holds_at_most_its_limit_and_small_tensors_never():
 def test_pooled_inputs_give_the_figures_of_plain_ones(monkeypatch):
     """A training step whose tensors are above the threshold: the same records with and without the pool."""
     torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(1100, 1000))
+    w = torch.nn.Parameter(torch.randn(BIG // 1000 + 1, 1000))
     x = torch.randn(64, 1000)
     opt = torch.optim.Adam([w], lr=1e-3)
 
@@ -122,3 +122,13 @@ def test_the_pool_stays_within_max_shadow_bytes(monkeypatch):
             kept = sm.memory()["scratch_bytes"]
         assert kept == 0 if room < BIG * 8 else 0 < kept <= room
         assert sm.report.records[-1].local.max_ulp <= 4  # exp's local error, measured from pooled inputs
+
+
+def test_without_use_counts_nothing_is_pooled(monkeypatch):
+    """A torch without storage use counts cannot tell a free buffer: plain copies, the same values."""
+    monkeypatch.setattr(scratch, "_use_count", None)
+    pool = Scratch()
+    pool.set_limit(1 << 40)
+    x = torch.randn(BIG)
+    assert torch.equal(pool.copy(x, f64, CPU), x.double()) and pool.empty_like(x, f64).dtype == f64
+    assert pool.held == 0
