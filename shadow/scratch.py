@@ -32,8 +32,12 @@ class Scratch:
 
     def __init__(self) -> None:
         self._storages: list[torch.UntypedStorage] = []
-        self.held = 0  # bytes of the storages kept
         self.limit = 0.0  # bytes the pool may hold (set_limit)
+
+    @property
+    def held(self) -> int:
+        """Bytes of the storages kept (read from them: a replay that resizes one of its inputs grows it)."""
+        return sum(s.nbytes() for s in self._storages)
 
     def set_limit(self, limit: float) -> None:
         """Hold at most ``limit`` bytes from now on: free storages beyond it are let go, least recently used
@@ -45,7 +49,6 @@ class Scratch:
     def clear(self) -> None:
         """Forget every storage (ShadowMode's exit): those still in use live on with their tensors."""
         self._storages.clear()
-        self.held = 0
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``copy(t, dtype, device)``, in pooled memory when it is a large copy from the CPU to the CPU."""
@@ -88,16 +91,15 @@ class Scratch:
         self._evict(nbytes)
         if self.held + nbytes <= self.limit:
             self._storages.append(s)
-            self.held += nbytes
         return s
 
     def _evict(self, room: int) -> None:
         """Let free storages go, least recently used first, until ``room`` more bytes fit in the limit."""
-        i = 0
-        while self.held + room > self.limit and i < len(self._storages):
+        i, held = 0, self.held
+        while held + room > self.limit and i < len(self._storages):
             s = self._storages[i]
             if _use_count(s._cdata) == 1:
-                self.held -= s.nbytes()
+                held -= s.nbytes()
                 del self._storages[i]
             else:
                 i += 1

@@ -132,3 +132,15 @@ def test_without_use_counts_nothing_is_pooled(monkeypatch):
     x = torch.randn(BIG)
     assert torch.equal(pool.copy(x, f64, CPU), x.double()) and pool.empty_like(x, f64).dtype == f64
     assert pool.held == 0
+
+
+def test_a_buffer_a_replay_resizes_is_counted_at_its_new_size():
+    """An out= replay may grow its (pooled) output: the pool counts what its storages hold now."""
+    pool = Scratch()
+    pool.set_limit(1 << 40)
+    a = pool.copy(torch.randn(BIG), f64, CPU)
+    a.resize_(2 * BIG)
+    assert pool.held == 2 * BIG * 8
+    del a
+    pool.set_limit(0)
+    assert pool.held == 0
