@@ -7,7 +7,9 @@ all-reduces do on the user's group.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import time
 
@@ -54,9 +56,12 @@ def _bf16_hook(process_group, bucket):
 
 
 def _init(rank: int, port: int) -> None:
-    """This rank in a gloo group on 127.0.0.1, one thread."""
+    """This rank in a gloo group on 127.0.0.1, one thread; its stacks go to stderr on SIGUSR1 (``_launch``
+    asks for them before it kills a run that hangs)."""
     from datetime import timedelta
 
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
@@ -64,7 +69,8 @@ def _init(rank: int, port: int) -> None:
 
 
 def _launch(worker, *args, join_s: float = JOIN_S) -> None:
-    """``worker(rank, port, *args)`` in WORLD spawned processes, bounded in time: killed past ``join_s``."""
+    """``worker(rank, port, *args)`` in WORLD spawned processes, bounded in time: killed past ``join_s``, after
+    the ranks still running dumped their stacks to stderr (the test's captured output says where they hung)."""
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(worker, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn")
@@ -72,7 +78,13 @@ def _launch(worker, *args, join_s: float = JOIN_S) -> None:
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail(f"two-rank run did not finish in {join_s} s")
+                alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+                if hasattr(signal, "SIGUSR1"):
+                    for rank in alive:
+                        os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+                    time.sleep(2)
+                pytest.fail(f"two-rank run did not finish in {join_s} s: ranks {alive} still running (their "
+                            "stacks: the captured stderr)")
     finally:
         for p in ctx.processes:
             if p.is_alive():
