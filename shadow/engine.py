@@ -594,7 +594,7 @@ class Engine:
             return None
         slots = [refs.get(i) for i in range(max(outputs.slots, max(refs) + 1))]  # None where an output is absent
         return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype,
-                                                                 scratch=self.scratch))
+                                                         scratch=self.scratch))
 
     def _guarded(self, p: Prepared, value: Any, build: Callable[[], Any]) -> Any:
         """``value`` once ``build()`` succeeded (``build()``'s result when value is None); None when a budget
