@@ -148,7 +148,7 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
     memory: dict[str, dict[str, int]] = {}
     for rnd in range(reps + 1):
         for k, (step, dev, opts) in configs.items():
-            mode = None
+            mode = None  # the last configuration's mode dropped before its memory is given back
             _release_memory()
             mode = ShadowMode(**at, **opts) if opts is not None else None
             with mode if mode is not None else _nullctx(), \

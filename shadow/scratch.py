@@ -17,6 +17,8 @@ leaves beside them: what it keeps is what the largest op calls allocate anyway, 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # glibc serves smaller ones from its heap, in memory already touched (its mmap threshold grows to 32 MB as mapped
@@ -43,7 +45,7 @@ class Scratch:
         """Hold at most ``limit`` bytes from now on: free storages beyond it are let go, least recently used
         first (the engine sets it before each op call, from the shadows' bytes)."""
         self.limit = limit
-        if self.held > limit:
+        if self._storages and self.held > limit:  # every op call sets it: an empty pool costs one test
             self._evict(0)
 
     def clear(self) -> None:
@@ -70,10 +72,8 @@ class Scratch:
         return nbytes >= MIN_BYTES and _use_count is not None
 
     def _tensor(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        return torch.empty(0, dtype=dtype).set_(self._storage(numel * dtype.itemsize), 0, shape, stride)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return torch.empty(0, dtype=dtype).set_(self._storage(nbytes), 0, shape, stride)
 
     def _storage(self, nbytes: int) -> torch.UntypedStorage:
         """A free storage of nbytes to 2 nbytes (the smallest), else a new one, kept while the pool has room."""
