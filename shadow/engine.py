@@ -31,7 +31,7 @@ from .replay import REPLAY, Replay, defined_regions, view_rule
 from .replay.table import Deferred
 from .report import Report, merged
 from .rules import run_chain
-from .scratch import SHARE as SCRATCH_SHARE, Scratch
+from .scratch import Scratch
 from .spot import SpotPolicy, SpotStats
 
 _INF = math.inf
@@ -290,11 +290,15 @@ class Engine:
                 f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced"))
         return e
 
+    def trim_scratch(self) -> None:
+        """The pool's idle storages within what ``max_shadow_bytes`` leaves beside the shadows (and its peak)."""
+        cap = self.opt.max_shadow_bytes
+        self.scratch.set_limit(math.inf if cap is None else cap - self.mirror.held)
+
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:
         p = Prepared(plan, chain, inputs=[], storages=set())
-        held, cap = self.mirror.held, self.opt.max_shadow_bytes
-        self.scratch.set_limit(SCRATCH_SHARE * held if cap is None else min(SCRATCH_SHARE * held, cap - held))
+        self.trim_scratch()
         read: dict[int, torch.Tensor] = {}  # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
 
         def shadow(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
@@ -378,7 +382,7 @@ class Engine:
     def _finish(self, p: Prepared, args, kwargs, out) -> None:
         plan = p.plan
         try:
-            kind, souts = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local))
+            kind, souts = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local, self.scratch))
         except Unsupported as exc:
             self._adopt_all(plan, args, kwargs, out)
             self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=p.inputs)
@@ -402,7 +406,8 @@ class Engine:
             self._deferred.append(_Pending(p, args, kwargs, out, kind, souts, self.attr.where(
                 plan.func, args, kwargs, out, self._index), _storages(written), self.mirror.adopted))
             return
-        louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out))[1] if p.local is not None else None
+        louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out, scratch=self.scratch))[1] \
+            if p.local is not None else None
         self._conclude(p, args, kwargs, out, kind, souts, louts)
 
     def _conclude(self, p: Prepared, args, kwargs, out, kind: Kind, souts, louts, at: tuple | None = None) -> None:

@@ -1,18 +1,20 @@
-"""Reused CPU memory for the large float64 temporaries of an op call: the device's inputs upcast for the
-local replay, the inputs an in-place op overwrites as they were before it, the temporaries of the bounds.
+"""Reused CPU memory for an op call's large float64 tensors: the device's inputs upcast for the local replay,
+the inputs an in-place op overwrites as they were before it, the temporaries of the bounds, and the replays'
+results (``shadow.replay.table.default_rule``), the drift replay's kept as shadows.
 
 glibc hands out a fresh CPU tensor above its mmap threshold (32 MB at most) as new pages, which fault in at
 the first write: upcasting 38.6M float32 elements (the LM-shaped model's embedding, its gradient, Adam's
 states) takes about 130 ms into a fresh tensor and 43 ms into memory written before (2 cores;
 benchmarks/RESULTS.md). Every optimizer op on such a parameter upcasts several of them, every step.
 
-``Scratch`` keeps the storages of such temporaries and hands one out again only when nothing refers to it:
-the pool holds the storage alone, so its use count is 1 exactly when every tensor made from it is gone. Nothing
-is given back by hand, and a temporary kept past its op (a spot check's inputs, a budget's) only keeps its
-buffer from being reused. The pool holds at most ``SHARE`` of the bytes the mirror holds (``Mirror.held``: the
-shadows of storages dead since its last sweep included), and never more than ``ShadowMode(max_shadow_bytes=...)``
-leaves beside them: what it keeps is what the largest op calls allocate anyway, at their peak, without it.
-``ShadowMode.memory()`` reports it; the mode's exit lets it go.
+``Scratch`` keeps the storages it hands out and hands one out again only when nothing refers to it: the pool
+holds the storage alone, so its use count is 1 exactly when every tensor made from it is gone. Nothing is given
+back by hand: a temporary kept past its op (a spot check's inputs, a budget's) or a shadow the mirror keeps only
+keeps its buffer from being reused. Idle storages are let go, least recently used first, while the pool's
+storages, in use and idle, total more than the most it has had in use at once (``peak``): the pool never holds
+more than its own busiest moment needed, so it moves the process's peak memory little (benchmarks/RESULTS.md),
+and never holds more idle bytes than ``ShadowMode(max_shadow_bytes=...)`` leaves beside the shadows.
+``ShadowMode.memory()`` reports the idle bytes; the mode's exit lets the pool go.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import torch
 # glibc serves smaller ones from its heap, in memory already touched (its mmap threshold grows to 32 MB as mapped
 # chunks are freed): a fresh 64 MB upcast took 18 ms and one into touched memory 3.2 ms; 16 to 32 MB, alike
 MIN_BYTES = 32 << 20
-SHARE = 0.25  # the pool's bytes at most, as a share of the shadows' bytes
 # a storage's use count (torch 2.4 to 2.13 have it): without it nothing tells a free buffer, and nothing is pooled
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -34,23 +35,31 @@ class Scratch:
 
     def __init__(self) -> None:
         self._storages: list[torch.UntypedStorage] = []
-        self.limit = 0.0  # bytes the pool may hold (set_limit)
+        self.limit = math.inf  # idle bytes the pool may hold (set_limit)
+        self.peak = 0  # the most bytes its storages have had in use at once
 
     @property
     def held(self) -> int:
-        """Bytes of the storages kept (read from them: a replay that resizes one of its inputs grows it)."""
+        """Bytes of the storages kept, in use or idle (read from them: a replay that resizes one of its inputs
+        grows it)."""
         return sum(s.nbytes() for s in self._storages)
 
+    @property
+    def idle(self) -> int:
+        """Bytes of the storages kept that nothing else refers to: the memory the pool itself costs."""
+        return sum(s.nbytes() for s in self._storages if _use_count(s._cdata) == 1)
+
     def set_limit(self, limit: float) -> None:
-        """Hold at most ``limit`` bytes from now on: free storages beyond it are let go, least recently used
-        first (the engine sets it before each op call, from the shadows' bytes)."""
+        """Keep at most ``limit`` idle bytes from now on (the engine sets it before each op call, from
+        ``max_shadow_bytes`` and the shadows' bytes), and no more than ``peak`` in all."""
         self.limit = limit
-        if self._storages and self.held > limit:  # every op call sets it: an empty pool costs one test
-            self._evict(0)
+        if self._storages and (self.held > self.peak or (limit < math.inf and self.idle > limit)):
+            self._evict()  # every op call sets it: an empty pool costs one test
 
     def clear(self) -> None:
         """Forget every storage (ShadowMode's exit): those still in use live on with their tensors."""
         self._storages.clear()
+        self.peak = 0
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``copy(t, dtype, device)``, in pooled memory when it is a large copy from the CPU to the CPU."""
@@ -61,44 +70,49 @@ class Scratch:
         return self._tensor(t.shape, stride, dtype).copy_(t.detach())
 
     def empty_like(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized CPU tensor with t's shape and layout (as ``torch.empty_like``) in ``dtype``, in
-        pooled memory when it is large."""
-        if not self._pools(t.numel() * dtype.itemsize):
-            return torch.empty_like(t, dtype=dtype, device="cpu")
+        """``torch.empty_like(t, dtype=dtype)``: in pooled memory when it is large and on the CPU."""
+        if not self._pools(t.numel() * dtype.itemsize) or t.device.type != "cpu":
+            return torch.empty_like(t, dtype=dtype)
         return self._tensor(t.shape, torch.empty_like(t, dtype=dtype, device="meta").stride(), dtype)
+
+    def empty_strided(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized CPU tensor of this shape, strides and dtype, in pooled memory when it is large."""
+        if not self._pools(math.prod(shape) * dtype.itemsize):
+            return torch.empty_strided(shape, stride, dtype=dtype)
+        return self._tensor(shape, stride, dtype)
 
     @staticmethod
     def _pools(nbytes: int) -> bool:
         return nbytes >= MIN_BYTES and _use_count is not None
 
     def _tensor(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
+        # the storage spans the elements the strides reach (a dense layout: all of them)
+        nbytes = (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * dtype.itemsize if math.prod(shape) else 0
         return torch.empty(0, dtype=dtype).set_(self._storage(nbytes), 0, shape, stride)
 
     def _storage(self, nbytes: int) -> torch.UntypedStorage:
-        """A free storage of nbytes to 2 nbytes (the smallest), else a new one, kept while the pool has room."""
+        """An idle storage of nbytes to 2 nbytes (the smallest), else a new one; either is kept, most recently
+        used last."""
         best = None
         for i, s in enumerate(self._storages):
             n = s.nbytes()
             if nbytes <= n <= 2 * nbytes and (best is None or n < self._storages[best].nbytes()) \
                     and _use_count(s._cdata) == 1:
                 best = i
-        if best is not None:
-            s = self._storages.pop(best)
-            self._storages.append(s)
-            return s
-        s = torch.UntypedStorage(nbytes)
-        self._evict(nbytes)
-        if self.held + nbytes <= self.limit:
-            self._storages.append(s)
+        s = torch.UntypedStorage(nbytes) if best is None else self._storages.pop(best)
+        self.peak = max(self.peak, s.nbytes() + self.held - self.idle)
+        self._evict(s.nbytes())
+        self._storages.append(s)
         return s
 
-    def _evict(self, room: int) -> None:
-        """Let free storages go, least recently used first, until ``room`` more bytes fit in the limit."""
-        i, held = 0, self.held
-        while held + room > self.limit and i < len(self._storages):
+    def _evict(self, handing_out: int = 0) -> None:
+        """Let idle storages go, least recently used first, until they are within the limit and the storages,
+        with the one being handed out, within the peak."""
+        i, held, idle = 0, self.held + handing_out, self.idle
+        while (idle > self.limit or held > self.peak) and i < len(self._storages):
             s = self._storages[i]
             if _use_count(s._cdata) == 1:
+                idle -= s.nbytes()
                 held -= s.nbytes()
                 del self._storages[i]
             else:

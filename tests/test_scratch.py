@@ -1,10 +1,11 @@
 """shadow.scratch: the pooled upcasts of the local replay's inputs are the exact copies ``.to`` makes, and a
 buffer is handed out again only once nothing refers to it."""
 
+import math
+
 import pytest
 import torch
 
-import shadow.engine as engine
 import shadow.scratch as scratch
 from shadow import ShadowMode
 from shadow.scratch import MIN_BYTES, Scratch
@@ -52,23 +53,23 @@ def test_a_buffer_is_reused_only_once_nothing_refers_to_it():
     assert pool.held == 3 * BIG * 8
 
 
-def test_the_pool_holds_at_most_its_limit_and_small_tensors_never():
+def test_the_pool_holds_at_most_its_peak_and_small_tensors_never():
     pool = Scratch()
-    pool.set_limit(BIG * 8)
     small = torch.randn(1000)
     assert torch.equal(pool.copy(small, f64, CPU), small.double()) and pool.held == 0
     x = torch.randn(BIG)
     kept = pool.copy(x, f64, CPU)
-    assert pool.held == BIG * 8
-    over = pool.copy(x, f64, CPU)  # the pool is full and its buffer in use: a plain allocation
-    assert pool.held == BIG * 8 and torch.equal(over, kept)
+    over = pool.copy(x, f64, CPU)  # the first is in use: a second storage
+    assert pool.held == pool.peak == 2 * BIG * 8 and pool.idle == 0 and torch.equal(over, kept)
     del kept, over
-    pool.set_limit(2 * BIG * 8)
-    pool.copy(torch.randn(2 * BIG), f64, CPU)  # a larger one evicts the free smaller one
+    assert pool.idle == 2 * BIG * 8  # idle, kept for later calls: the pool had both in use at once
+    pool.set_limit(math.inf)
     assert pool.held == 2 * BIG * 8
+    pool.copy(torch.randn(2 * BIG), f64, CPU)  # fits neither: both idle ones go, so as to stay within the peak
+    assert pool.held == pool.peak == 2 * BIG * 8
     e = pool.empty_like(torch.empty(BIG, 2, dtype=torch.float32).t(), f64)  # empty_like's layout: transposed
     assert e.shape == (2, BIG) and e.stride() == (1, 2) and e.dtype == f64 and pool.held == 2 * BIG * 8
-    pool.set_limit(0)  # a lower limit lets go of free storages only
+    pool.set_limit(0)  # a limit on the idle bytes lets go of idle storages only
     assert pool.held == 2 * BIG * 8
     del e
     pool.set_limit(0)
@@ -94,34 +95,37 @@ def test_pooled_inputs_give_the_figures_of_plain_ones(monkeypatch):
             for _ in range(2):
                 step()
             kept = sm.memory()
-            (w * 2).sum()  # an op call: the pool trims to the share of the shadows now alive
-            trimmed = sm.memory()
+            pool = sm._engine.scratch
+            assert pool.held <= pool.peak
         assert sm.memory()["scratch_bytes"] == 0  # let go on exit
-        return kept, trimmed, [(r.op, r.local and r.local.to_dict(), r.drift and r.drift.to_dict())
-                               for r in sm.report.records]
+        return kept, [(r.op, r.local and r.local.to_dict(), r.drift and r.drift.to_dict()) for r in sm.report.records]
 
     w0 = w.detach().clone()
-    kept, trimmed, pooled = run()
+    kept, pooled = run()
     assert kept["scratch_bytes"] >= w.numel() * 8  # Adam's upcasts of w, its gradient, its states
-    assert trimmed["scratch_bytes"] <= scratch.SHARE * trimmed["shadow_bytes"]
     monkeypatch.setattr(scratch, "MIN_BYTES", 1 << 62)
-    kept, _, plain = run()
+    kept, plain = run()
     assert kept["scratch_bytes"] == 0
     assert pooled == plain
 
 
-def test_the_pool_stays_within_max_shadow_bytes(monkeypatch):
+def test_the_pool_stays_within_max_shadow_bytes():
     """With a cap on the shadows, the pool only takes what the cap leaves beside them."""
-    monkeypatch.setattr(engine, "SCRATCH_SHARE", 100.0)  # the share alone would let the pool take any temporary
     torch.manual_seed(0)
     x = torch.randn(BIG)
     for room in (BIG * 8 // 2, 4 * BIG * 8):
-        with ShadowMode(spot_checks="off", max_shadow_bytes=3 * BIG * 8 + room) as sm:  # x, y, z's shadows + room
+        # the shadows of x, y, y + x (dead, counted until the mirror's next sweep) and z, and the room
+        cap = 4 * BIG * 8 + room
+        with ShadowMode(spot_checks="off", max_shadow_bytes=cap) as sm:
             y = x * 1.5
             z = (y + x).exp()  # the local replays' upcasts of y and x, then of y + x (a buffer reused)
-            kept = sm.memory()["scratch_bytes"]
-        assert kept == 0 if room < BIG * 8 else 0 < kept <= room
-        assert sm.report.records[-1].local.max_ulp <= 4  # exp's local error, measured from pooled inputs
+            x[:4] * 2  # an op call: the pool trims its idle storages to the room left
+            idle = sm._engine.scratch.idle
+            mem = sm.memory()  # the sweep lets y + x's shadow go: its pooled storage is idle, the room larger
+        assert idle <= room and mem["scratch_bytes"] <= cap - mem["shadow_bytes"]
+        assert (idle > 0) == (room >= BIG * 8)
+        exp = next(r for r in sm.report.records if r.op == "aten.exp.default")
+        assert exp.local.max_ulp <= 4  # exp's local error, measured from pooled inputs
 
 
 def test_without_use_counts_nothing_is_pooled(monkeypatch):
@@ -144,3 +148,46 @@ def test_a_buffer_a_replay_resizes_is_counted_at_its_new_size():
     del a
     pool.set_limit(0)
     assert pool.held == 0
+
+
+N = MIN_BYTES // 8 // 512 + 8  # rows of 512 float64: a result just above the pool's threshold
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("func, make", [
+    (aten.mm.default, lambda: (torch.randn(N, 64, dtype=f64), torch.randn(512, 64, dtype=f64).t())),
+    (aten.add.Tensor, lambda: (torch.randn(N, 512, dtype=f64), torch.randn(512, dtype=f64))),
+    (aten.mul.Tensor, lambda: (torch.randn(512, N, dtype=f64).t(), torch.randn(N, 1, dtype=f64))),  # transposed
+    (aten.div.Tensor, lambda: (torch.randn(N, 512, dtype=f64), torch.rand(N, 512, dtype=f64) + 0.5)),
+    (aten.sqrt.default, lambda: (torch.rand(N, 512, dtype=f64),)),
+    (aten._log_softmax.default, lambda: (torch.randn(N, 512, dtype=f64), 1, False)),
+    (aten.cat.default, lambda: ([torch.randn(N // 2, 512, dtype=f64), torch.randn(N - N // 2, 512, dtype=f64)],)),
+    (aten.where.self, lambda: (torch.rand(N, 512) > 0.5, torch.randn(N, 512, dtype=f64), torch.zeros((), dtype=f64))),
+], ids=["mm", "add", "mul-transposed", "div", "sqrt", "log_softmax", "cat", "where"])
+def test_a_large_replay_result_in_pooled_memory_is_the_kernels_own(func, make):
+    """default_rule writes a large CPU result into pooled memory through the op's out= overload: the values, bit
+    for bit, and the strides of the result the kernel allocates itself."""
+    from shadow.plan import plan_of
+    from shadow.replay.table import Replay, default_rule
+
+    args = make()
+    expected = func(*args)
+    pool = Scratch()
+    kind, got = default_rule(Replay(plan_of(func), list(args), {}, expected.float(), scratch=pool))
+    assert torch.equal(got, expected) and got.stride() == expected.stride() and got.dtype == expected.dtype
+    assert pool.held >= expected.numel() * expected.element_size()  # from the pool
+    del got
+    assert pool.idle == pool.held  # idle once the result is gone: the next large result reuses it
+
+
+def test_replays_without_an_out_kernel_of_their_own_allocate_as_before():
+    """embedding_dense_backward's out= overload is torchgen's (allocate, then copy): not worth a pooled result."""
+    from shadow.plan import plan_of
+    from shadow.replay.table import Replay, default_rule
+
+    func = aten.embedding_dense_backward.default
+    args = (torch.randn(64, 512, dtype=f64), torch.randint(0, N, (64,)), N, -1, False)
+    pool = Scratch()
+    expected = func(*args)
+    kind, got = default_rule(Replay(plan_of(func), list(args), {}, expected.float(), scratch=pool))
+    assert torch.equal(got, expected) and pool.held == 0

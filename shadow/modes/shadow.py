@@ -167,9 +167,10 @@ class ShadowMode:
         return self._engine.shadow_of(t)
 
     def memory(self) -> dict[str, int]:
-        """Bytes held by live shadows, the device bytes they mirror, and the working memory kept for the large
-        temporaries of op calls (``shadow.scratch``)."""
+        """Bytes held by live shadows, the device bytes they mirror, and the idle memory kept for the large
+        tensors of later op calls (``shadow.scratch``)."""
         with torch._C._DisableTorchDispatch():
             self._engine.mirror.sweep()
+            self._engine.trim_scratch()  # the sweep may have let shadows in pooled memory go: now idle
             return {"shadow_bytes": self._engine.mirror.shadow_bytes(), "device_bytes": self._engine.mirror.device_bytes(),
-                    "scratch_bytes": self._engine.scratch.held}
+                    "scratch_bytes": self._engine.scratch.idle}

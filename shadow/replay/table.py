@@ -9,6 +9,7 @@ the op's own CPU kernel, else its decomposition.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -17,6 +18,7 @@ from ..errors import Unsupported
 from ..plan import OpPlan
 from ..records import Kind
 from ..rules import RuleTable
+from ..scratch import MIN_BYTES
 
 
 @dataclasses.dataclass(slots=True)
@@ -28,6 +30,7 @@ class Replay:
     kwargs: dict
     device_out: Any  # the device's outputs, for rules that adopt a random part
     local: Any = None  # the device's own inputs upcast (an engine ``Args``; None: the shadow args are the device's)
+    scratch: Any = None  # a shadow.scratch.Scratch for a large CPU result (None: the kernel allocates it)
 
     def arg(self, name: str, default: Any = None) -> Any:
         return self.plan.arg(self.args, self.kwargs, name, default)
@@ -60,6 +63,9 @@ def default_rule(r: Replay) -> tuple[Kind, Any]:
     """The op's own CPU kernel in float64, else its decomposition; ``Unsupported`` with both reasons."""
     func = r.plan.func
     try:
+        buffer = _pooled_result(r)
+        if buffer is not None:
+            return Kind.REPLAYED, _out_overload(func)(*r.args, **r.kwargs, out=buffer)
         return Kind.REPLAYED, func(*r.args, **r.kwargs)
     except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as exc:
         first = exc
@@ -73,6 +79,46 @@ def default_rule(r: Replay) -> tuple[Kind, Any]:
     except Exception as exc:  # the decomposition failed too: report both reasons
         raise Unsupported(r.plan.name, f"{_short(first)}; decomposition: {_short(exc)}") from exc
     raise Unsupported(r.plan.name, f"{_short(first)}; no decomposition")
+
+
+def _pooled_result(r: Replay) -> torch.Tensor | None:
+    """The memory for a large CPU result from ``r.scratch``: the result the kernel would allocate (its shape,
+    strides and dtype, read from the op's meta kernel), for its out= overload to write. A fresh result of tens
+    of MB costs more in page faults than most kernels take to fill it (``shadow.scratch``). None where the op
+    writes its arguments, returns other than one tensor, has no out= overload with a CPU kernel of its own, or
+    the result is small."""
+    plan, d = r.plan, r.device_out
+    if r.scratch is None or plan.writes or len(plan.returns) != 1 or not isinstance(d, torch.Tensor) \
+            or d.numel() * 8 < MIN_BYTES or _out_overload(plan.func) is None:
+        return None
+    if any(t.device.type != "cpu" for _, t in plan.tensors(r.args, r.kwargs)):
+        return None
+    a, kw = plan.map_tensors(r.args, r.kwargs, lambda t, _: torch.empty_strided(
+        t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    try:
+        meta = plan.func(*a, **kw)
+    except Exception:  # noqa: BLE001 -- no meta kernel: the kernel allocates its result
+        return None
+    if not isinstance(meta, torch.Tensor):
+        return None
+    return r.scratch.empty_strided(meta.shape, meta.stride(), meta.dtype)
+
+
+@functools.cache
+def _out_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The overload of ``func`` that takes its arguments and writes its one result into ``out=``, where it has a
+    CPU kernel of its own: torchgen's generated out= kernels (CompositeExplicitAutograd) allocate the result and
+    copy it, which would add a copy and save nothing."""
+    schema = func._schema
+    names = [a.name for a in schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        o = getattr(packet, name)
+        args = o._schema.arguments
+        if [a.name for a in args] == names + ["out"] and args[-1].is_out \
+                and torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), "CPU"):
+            return o
+    return None
 
 
 def _short(exc: BaseException) -> str:
