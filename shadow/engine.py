@@ -619,8 +619,9 @@ class Engine:
         plan = p.plan
         dev = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, out)]
         ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
-        priority = [_condition(b, r) for b, r in zip(budget.bound, ref)] if budget is not None and budget.of_sum \
-            else None
+        priority = None
+        if budget is not None and budget.of_sum:
+            priority = [_condition(b, r, self.scratch) for b, r in zip(budget.bound, ref)]
         stats, samples = self.spot.check(plan.func, p.pre.args, p.pre.kwargs, dev, ref, dtype, priority)
         for s in samples:
             if not s.trusted and ref[s.output] is not None:
@@ -853,12 +854,12 @@ def _first_tensor(plan: OpPlan, args, kwargs, out) -> torch.Tensor | None:
     return next((t for _, t in plan.tensors(args, kwargs, plan.writes)), None)
 
 
-def _condition(bound: Any, r: Any) -> torch.Tensor | None:
+def _condition(bound: Any, r: Any, scratch: Scratch) -> torch.Tensor | None:
     """bound / |r| elementwise (a budget's error bound relative to the result: large where r cancels)."""
     if not isinstance(bound, torch.Tensor) or not isinstance(r, torch.Tensor) or r.is_complex() \
             or not r.is_floating_point():
         return None
-    a = r.abs()
+    a = torch.abs(r, out=scratch.empty_like(r, r.dtype))
     return torch.div(bound, a, out=a) if bound.shape == r.shape else torch.broadcast_to(bound, r.shape) / a
 
 

@@ -280,9 +280,7 @@ class BudgetCall:
     def empty(self, r: torch.Tensor) -> torch.Tensor:
         """A real tensor with r's shape and layout, for a temporary of the bound (reused memory when large)."""
         dtype = r.dtype.to_real() if r.is_complex() else r.dtype
-        if self.scratch is None or r.device.type != "cpu":
-            return torch.empty_like(r, dtype=dtype)
-        return self.scratch.empty_like(r, dtype)
+        return torch.empty_like(r, dtype=dtype) if self.scratch is None else self.scratch.empty_like(r, dtype)
 
     def out(self, i: int = 0) -> torch.Tensor:
         return self.outputs[i]

@@ -46,12 +46,17 @@ def _sq_sum(c: BudgetCall, t: torch.Tensor, dim: int, keepdim: bool = False) -> 
 
 def _mm_magnitude(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, base: Any = 0.0) -> torch.Tensor:
     """base + scale * (an upper bound of |A| @ |B|), batched on leading dims: exact when small,
-    Cauchy-Schwarz else (one fused pass over the M x N result)."""
+    Cauchy-Schwarz else (one fused pass over the M x N result, in reused memory where it has the result's
+    shape)."""
     if A.numel() and B.numel() and A.numel() * B.shape[-1] <= EXACT_MAGNITUDE_MACS:
         return torch.add(base, A.abs() @ B.abs(), alpha=scale)
     na = _sq_sum(c, A, -1, keepdim=True).sqrt_().mul_(scale)
     nb = _sq_sum(c, B, -2, keepdim=True).sqrt_()
-    return torch.addcmul(torch.as_tensor(base, dtype=torch.float64), na, nb)
+    base = torch.as_tensor(base, dtype=torch.float64)
+    r = c.out()
+    if torch.broadcast_shapes(base.shape, na.shape, nb.shape) == r.shape and not r.is_complex():
+        return torch.addcmul(base, na, nb, out=c.empty(r))
+    return torch.addcmul(base, na, nb)
 
 
 def _mm_scale_sq(c: BudgetCall, A: torch.Tensor, B: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ parameter, every step) and the ``_foreach_X`` ops, whose elements go to X's rule
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,8 +28,15 @@ def _same(a: Any, b: Any) -> bool:
                       and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
-def _abs_fresh(t: torch.Tensor) -> torch.Tensor:
-    """|t| of a temporary computed for the bound: in place where it stays real."""
+def _abs_of(c: BudgetCall, op: Callable[..., torch.Tensor], a: Any, b: Any) -> torch.Tensor:
+    """|op(a, b)| (a difference, a quotient) for the bound: in reused memory (``c.empty``) where it has the
+    result's shape and stays real, else in a fresh tensor."""
+    r = c.out()
+    shapes = [t.shape for t in (a, b) if isinstance(t, torch.Tensor)]
+    if not r.is_complex() and torch.broadcast_shapes(*shapes) == r.shape \
+            and not any(isinstance(t, torch.Tensor) and t.is_complex() for t in (a, b)):
+        return op(a, b, out=c.empty(r)).abs_()
+    t = op(a, b)
     return t.abs() if t.is_complex() else t.abs_()
 
 
@@ -66,7 +73,7 @@ def addcdiv_budget(c: BudgetCall) -> Budget:
     """self + value*t1/t2: the quotient is rounded (twice, value included) before the add."""
     a = c.a
     k = 3 * c.u * abs(coefficient(a["value"]))
-    return with_operand_term(c, ARITH_ULPS, lambda b: b.add_(_abs_fresh(a["tensor1"] / a["tensor2"]), alpha=k))
+    return with_operand_term(c, ARITH_ULPS, lambda b: b.add_(_abs_of(c, torch.div, a["tensor1"], a["tensor2"]), alpha=k))
 
 
 @register_budget(*overloads("lerp"))
@@ -78,7 +85,7 @@ def lerp_budget(c: BudgetCall) -> Budget:
         return with_operand_term(
             c, ARITH_ULPS, lambda b: add_into(b, 3 * c.u * (w.abs() + (1 - w).abs()) * (a["end"] - a["self"]).abs()))
     k = 3 * c.u * (abs(w) + abs(1 - w))
-    return with_operand_term(c, ARITH_ULPS, lambda b: b.add_(_abs_fresh(a["end"] - a["self"]), alpha=k))
+    return with_operand_term(c, ARITH_ULPS, lambda b: b.add_(_abs_of(c, torch.sub, a["end"], a["self"]), alpha=k))
 
 
 # --- foreach ops: each list element under the rule of the op the name says ---
