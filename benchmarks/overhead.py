@@ -158,7 +158,7 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
                 if k == "full":
                     spent.clear()
                 t = _once(step, dev)
-                if rnd == reps and mode is not None:  # right after the step, the pool of op temporaries included
+                if rnd == reps and mode is not None:  # right after the step, the pool's idle memory included
                     memory[k] = mode.memory()
             if rnd:  # round 0 warms up (compilation, the allocator)
                 times[k].append(t)
@@ -186,7 +186,7 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
         "spot_in_step": statistics.median(spot_s),
         "ops_per_step": last["both"].report.coverage.calls // (_UNTIMED + 1),
         "memory_ratio": mem["shadow_bytes"] / max(1, mem["device_bytes"]),  # target <= 2.1
-        # the default mode's reused memory for op temporaries (shadow.scratch), beside the shadows
+        # the default mode's idle memory kept for later large tensors (shadow.scratch), beside the shadows
         "scratch_ratio": mem["scratch_bytes"] / max(1, mem["device_bytes"]),
     }
 
@@ -329,7 +329,7 @@ def main() -> None:
             f"drift {r['drift_ms']:8.1f} ms ({r['drift_ratio']:.2f}x of native+f64)  "
             f"drift+local {r['both_ms']:8.1f} ms ({r['both_ratio']:.2f}x of native+2 f64)  "
             f"{r['ops_per_step']} ops/step  shadow memory {r['memory_ratio']:.2f}x "
-            f"(+ {r['scratch_ratio']:.2f}x reused for op temporaries)"
+            f"(+ {r['scratch_ratio']:.2f}x idle in the pool of large tensors)"
         )
         print(
             f"{'':<30} + budgets {r['budgets_ms']:8.1f} ms ({r['budget_share']:.0%} of the replay work)  "
