@@ -191,3 +191,17 @@ def test_replays_without_an_out_kernel_of_their_own_allocate_as_before():
     expected = func(*args)
     kind, got = default_rule(Replay(plan_of(func), list(args), {}, expected.float(), scratch=pool))
     assert torch.equal(got, expected) and pool.held == 0
+
+
+def test_an_out_kernel_that_refuses_leaves_the_replay_to_the_kernels_own_result(monkeypatch):
+    from shadow.plan import plan_of
+    from shadow.replay import table
+    from shadow.replay.table import Replay, default_rule
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("out= refused")
+
+    monkeypatch.setattr(table, "_out_overload", lambda func: refusing)
+    a, b = torch.randn(N, 512, dtype=f64), torch.randn(512, dtype=f64)
+    kind, got = default_rule(Replay(plan_of(aten.add.Tensor), [a, b], {}, (a + b).float(), scratch=Scratch()))
+    assert kind is table.Kind.REPLAYED and torch.equal(got, a + b)

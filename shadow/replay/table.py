@@ -63,10 +63,7 @@ def default_rule(r: Replay) -> tuple[Kind, Any]:
     """The op's own CPU kernel in float64, else its decomposition; ``Unsupported`` with both reasons."""
     func = r.plan.func
     try:
-        buffer = _pooled_result(r)
-        if buffer is not None:
-            return Kind.REPLAYED, _out_overload(func)(*r.args, **r.kwargs, out=buffer)
-        return Kind.REPLAYED, func(*r.args, **r.kwargs)
+        return Kind.REPLAYED, _call(r)
     except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as exc:
         first = exc
     decomp = _decomposition(func)
@@ -81,27 +78,25 @@ def default_rule(r: Replay) -> tuple[Kind, Any]:
     raise Unsupported(r.plan.name, f"{_short(first)}; no decomposition")
 
 
-def _pooled_result(r: Replay) -> torch.Tensor | None:
-    """The memory for a large CPU result from ``r.scratch``: the result the kernel would allocate (its shape,
-    strides and dtype, read from the op's meta kernel), for its out= overload to write. A fresh result of tens
-    of MB costs more in page faults than most kernels take to fill it (``shadow.scratch``). None where the op
-    writes its arguments, returns other than one tensor, has no out= overload with a CPU kernel of its own, or
-    the result is small."""
+def _call(r: Replay) -> Any:
+    """``func(*args, **kwargs)``; a large CPU result written by the op's out= overload into memory from
+    ``r.scratch`` (a fresh result of tens of MB costs more in page faults than most kernels take to fill it:
+    ``shadow.scratch``), where the op writes no argument, returns one tensor and has an out= overload with a CPU
+    kernel of its own. The result is the one the kernel would allocate: its shape, strides and dtype are read from
+    the op's meta kernel."""
     plan, d = r.plan, r.device_out
     if r.scratch is None or plan.writes or len(plan.returns) != 1 or not isinstance(d, torch.Tensor) \
-            or d.numel() * 8 < MIN_BYTES or _out_overload(plan.func) is None:
-        return None
-    if any(t.device.type != "cpu" for _, t in plan.tensors(r.args, r.kwargs)):
-        return None
-    a, kw = plan.map_tensors(r.args, r.kwargs, lambda t, _: torch.empty_strided(
-        t.shape, t.stride(), dtype=t.dtype, device="meta"))
+            or d.numel() * 8 < MIN_BYTES or _out_overload(plan.func) is None \
+            or any(t.device.type != "cpu" for _, t in plan.tensors(r.args, r.kwargs)):
+        return plan.func(*r.args, **r.kwargs)
     try:
+        a, kw = plan.map_tensors(r.args, r.kwargs, lambda t, _: torch.empty_strided(
+            t.shape, t.stride(), dtype=t.dtype, device="meta"))
         meta = plan.func(*a, **kw)
-    except Exception:  # noqa: BLE001 -- no meta kernel: the kernel allocates its result
-        return None
-    if not isinstance(meta, torch.Tensor):
-        return None
-    return r.scratch.empty_strided(meta.shape, meta.stride(), meta.dtype)
+        buffer = r.scratch.empty_strided(meta.shape, meta.stride(), meta.dtype)
+        return _out_overload(plan.func)(*r.args, **r.kwargs, out=buffer)
+    except Exception:  # noqa: BLE001 -- no meta kernel, or an out= kernel that refuses: the kernel allocates
+        return plan.func(*r.args, **r.kwargs)
 
 
 @functools.cache
