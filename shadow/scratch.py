@@ -31,7 +31,7 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Scratch:
-    """A pool of CPU storages for temporaries of at least ``MIN_BYTES``, most recently used last."""
+    """A pool of CPU storages for tensors of at least ``MIN_BYTES``, most recently used last."""
 
     def __init__(self) -> None:
         self._storages: list[torch.UntypedStorage] = []
