@@ -51,10 +51,12 @@ class Scratch:
 
     def set_limit(self, limit: float) -> None:
         """Keep at most ``limit`` idle bytes from now on (the engine sets it before each op call, from
-        ``max_shadow_bytes`` and the shadows' bytes), and no more than ``peak`` in all."""
+        ``max_shadow_bytes`` and the shadows' bytes). Every op call sets it: without a limit it costs one test
+        (the storages outgrow ``peak`` only as one is handed out or a replay resizes one; the next hand-out
+        trims them)."""
         self.limit = limit
-        if self._storages and (self.held > self.peak or (limit < math.inf and self.idle > limit)):
-            self._evict()  # every op call sets it: an empty pool costs one test
+        if limit < math.inf and self._storages:
+            self._evict(self.held, self.idle)
 
     def clear(self) -> None:
         """Forget every storage (ShadowMode's exit): those still in use live on with their tensors."""
@@ -63,7 +65,7 @@ class Scratch:
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``copy(t, dtype, device)``, in pooled memory when it is a large copy from the CPU to the CPU."""
-        if not self._pools(t.numel() * dtype.itemsize) or device.type != "cpu" or t.device.type != "cpu" \
+        if not self.pools(t.numel() * dtype.itemsize) or device.type != "cpu" or t.device.type != "cpu" \
                 or t._is_zerotensor():
             return copy(t, dtype, device)
         stride = torch.empty_like(t, dtype=dtype, device="meta").stride()  # preserve_format, as .to does
@@ -71,18 +73,19 @@ class Scratch:
 
     def empty_like(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``torch.empty_like(t, dtype=dtype)``: in pooled memory when it is large and on the CPU."""
-        if not self._pools(t.numel() * dtype.itemsize) or t.device.type != "cpu":
+        if not self.pools(t.numel() * dtype.itemsize) or t.device.type != "cpu":
             return torch.empty_like(t, dtype=dtype)
         return self._tensor(t.shape, torch.empty_like(t, dtype=dtype, device="meta").stride(), dtype)
 
     def empty_strided(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized CPU tensor of this shape, strides and dtype, in pooled memory when it is large."""
-        if not self._pools(math.prod(shape) * dtype.itemsize):
+        if not self.pools(math.prod(shape) * dtype.itemsize):
             return torch.empty_strided(shape, stride, dtype=dtype)
         return self._tensor(shape, stride, dtype)
 
     @staticmethod
-    def _pools(nbytes: int) -> bool:
+    def pools(nbytes: int) -> bool:
+        """Whether a CPU tensor of ``nbytes`` comes from the pool."""
         return nbytes >= MIN_BYTES and _use_count is not None
 
     def _tensor(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
@@ -100,15 +103,16 @@ class Scratch:
                     and _use_count(s._cdata) == 1:
                 best = i
         s = torch.UntypedStorage(nbytes) if best is None else self._storages.pop(best)
-        self.peak = max(self.peak, s.nbytes() + self.held - self.idle)
-        self._evict(s.nbytes())
+        held, idle = self.held + s.nbytes(), self.idle  # s counts as in use: its tensor is made next
+        self.peak = max(self.peak, held - idle)
+        self._evict(held, idle)
         self._storages.append(s)
         return s
 
-    def _evict(self, handing_out: int = 0) -> None:
-        """Let idle storages go, least recently used first, until they are within the limit and the storages,
-        with the one being handed out, within the peak."""
-        i, held, idle = 0, self.held + handing_out, self.idle
+    def _evict(self, held: int, idle: int) -> None:
+        """Let idle storages go, least recently used first, until the idle bytes are within the limit and all
+        ``held`` bytes within the peak (``held`` and ``idle``: the pool's figures now)."""
+        i = 0
         while (idle > self.limit or held > self.peak) and i < len(self._storages):
             s = self._storages[i]
             if _use_count(s._cdata) == 1:

@@ -54,7 +54,7 @@ def _mm_magnitude(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, scale: float 
     nb = _sq_sum(c, B, -2, keepdim=True).sqrt_()
     base = torch.as_tensor(base, dtype=torch.float64)
     r = c.out()
-    if torch.broadcast_shapes(base.shape, na.shape, nb.shape) == r.shape and not r.is_complex():
+    if torch.broadcast_shapes(base.shape, na.shape, nb.shape) == r.shape:  # c.empty is real for a complex r
         return torch.addcmul(base, na, nb, out=c.empty(r))
     return torch.addcmul(base, na, nb)
 

@@ -28,13 +28,11 @@ def _same(a: Any, b: Any) -> bool:
                       and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
-def _abs_of(c: BudgetCall, op: Callable[..., torch.Tensor], a: Any, b: Any) -> torch.Tensor:
+def _abs_of(c: BudgetCall, op: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|op(a, b)| (a difference, a quotient) for the bound: in reused memory (``c.empty``) where it has the
-    result's shape and stays real, else in a fresh tensor."""
+    result's shape and is real (a complex operand makes the result complex), else in a fresh tensor."""
     r = c.out()
-    shapes = [t.shape for t in (a, b) if isinstance(t, torch.Tensor)]
-    if not r.is_complex() and torch.broadcast_shapes(*shapes) == r.shape \
-            and not any(isinstance(t, torch.Tensor) and t.is_complex() for t in (a, b)):
+    if not r.is_complex() and torch.broadcast_shapes(a.shape, b.shape) == r.shape:
         return op(a, b, out=c.empty(r)).abs_()
     t = op(a, b)
     return t.abs() if t.is_complex() else t.abs_()

@@ -18,7 +18,6 @@ from ..errors import Unsupported
 from ..plan import OpPlan
 from ..records import Kind
 from ..rules import RuleTable
-from ..scratch import MIN_BYTES
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,7 +85,7 @@ def _call(r: Replay) -> Any:
     the op's meta kernel."""
     plan, d = r.plan, r.device_out
     if r.scratch is None or plan.writes or len(plan.returns) != 1 or not isinstance(d, torch.Tensor) \
-            or d.numel() * 8 < MIN_BYTES or _out_overload(plan.func) is None \
+            or not r.scratch.pools(d.numel() * 8) or _out_overload(plan.func) is None \
             or any(t.device.type != "cpu" for _, t in plan.tensors(r.args, r.kwargs)):
         return plan.func(*r.args, **r.kwargs)
     try:
