@@ -234,6 +234,10 @@ def _collectives_worker(rank: int, port: int, outdir: str) -> None:
                 "shadows": [sm.shadow_of(o) for o in outs], "device": [o.clone() for o in outs],
             }
         torch.save(results, os.path.join(outdir, f"collectives{rank}.pt"))
+        # neither rank tears its groups down while the other may still be in a collective of shadow's side group:
+        # on torch 2.4.1 both ranks hung in destroy_process_group twice in a dozen CI runs (their stacks, dumped by
+        # _launch, stopped there)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
