@@ -241,8 +241,25 @@ def test_fused_figures_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
     serial, parallel = _fused._passes
     args = (y.data_ptr(), *_fused._READ[torch.float32], r.data_ptr(), bound.data_ptr(), r.numel(), bound.numel(),
-            _fused._inverse_units(torch.finfo(torch.float32).tiny))
+            _fused._exponent_field(torch.finfo(torch.float32).tiny))
     assert runs[0].tolist() == runs[1].tolist() == serial(*args).tolist() == parallel(*args).tolist()
+
+
+@fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_the_spacing_unit_from_the_exponent_bits_is_the_definitions(dtype):
+    """The pass writes 1 / unit as a float's bits from r's exponent field; every field, the dtype's subnormal
+    floor and the fields whose inverse is itself subnormal (|r| >= 2**1023) included, gives 2**-e exactly."""
+    from shadow import _fused
+
+    tiny = torch.finfo(dtype).tiny
+    floor = math.frexp(tiny)[1] - 1  # tiny = 2**floor
+    for field in range(2048):
+        want = math.ldexp(1.0, -max(field - 1023, floor))
+        for sign in (0, 1):  # r's sign and mantissa play no part
+            bits = np.array([sign << 63 | field << 52 | 12345], np.uint64).view(np.int64)[0]
+            got = _fused._inverse_unit(bits, _fused._exponent_field(tiny))
+            assert got == want, (field, sign, got, want)
 
 
 @fused
