@@ -222,11 +222,37 @@ def _parallel_pass(y_address, y_like, table, r_address, bound_address, n, n_boun
     return _combine(parts)
 
 
+@njit
+def _spacing_chunk(bits, out, tiny, scale, start, stop):
+    """``metrics.spacing`` of elements [start, stop): r's exponent bits (2**floor(log2|r|); an infinity for a
+    non-finite r), at least ``tiny``, times ``scale``; the same three operations as its torch path, in one pass."""
+    bits, out = bits[start:stop], out[start:stop]
+    for i in range(bits.shape[0]):
+        v = _float(bits[i] & 0x7FF0000000000000)
+        out[i] = (v if v > tiny else tiny) * scale
+
+
+def _serial_spacing(r_address, out_address, n, tiny, scale):
+    bits = numba.carray(_pointer(r_address), n, np.int64)
+    out = numba.carray(_pointer(out_address), n, np.float64)
+    for c in range((n + CHUNK - 1) // CHUNK):
+        _spacing_chunk(bits, out, tiny, scale, c * CHUNK, min(n, (c + 1) * CHUNK))
+
+
+def _parallel_spacing(r_address, out_address, n, tiny, scale):
+    bits = numba.carray(_pointer(r_address), n, np.int64)
+    out = numba.carray(_pointer(out_address), n, np.float64)
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        _spacing_chunk(bits, out, tiny, scale, c * CHUNK, min(n, (c + 1) * CHUNK))
+
+
 def _compile(cache: bool) -> tuple:
-    """The serial and parallel passes, compiled at their first call for each input type. Two functions, not
-    one jitted twice: numba's cache tells entries apart by function, not by the parallel flag."""
+    """The comparison's serial and parallel passes, then the spacing's, compiled at their first call for each
+    input type. Two functions each, not one jitted twice: numba's cache tells entries apart by function, not
+    by the parallel flag."""
     try:
-        return njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass)
+        return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
+                njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing))
     except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
         return _compile(False)
 
@@ -274,19 +300,29 @@ def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: 
         if bound.numel() != 1:  # a bound broadcast along some dimensions is made whole (rare)
             bound = torch.broadcast_to(bound, r.shape)
         bound = _on_cpu(bound, torch.float64)
-    args = (y.data_ptr(), read[0], read[1], r.data_ptr(), r.data_ptr() if bound is None else bound.data_ptr(),
-            r.numel(), 0 if bound is None else bound.numel(), _exponent_field(tiny))
+    return _run(0, (y.data_ptr(), read[0], read[1], r.data_ptr(),
+                    r.data_ptr() if bound is None else bound.data_ptr(), r.numel(),
+                    0 if bound is None else bound.numel(), _exponent_field(tiny)), r.numel())
+
+
+def spacing(r: torch.Tensor, out: torch.Tensor, tiny: float, scale: float) -> None:
+    """``metrics.spacing`` into ``out``: max(2**floor(log2|r|), tiny) * scale for contiguous float64 CPU
+    tensors ``r`` and ``out`` (the same size), one read and one write where torch's path makes three passes."""
+    _run(2, (r.data_ptr(), out.data_ptr(), r.numel(), tiny, scale), r.numel())
+
+
+def _run(which: int, args: tuple, n: int):
+    """Pass ``which`` (0: the comparison, 2: the spacing) on ``args``: the parallel one above PARALLEL elements."""
+    global _passes
     try:
-        return _run(args)
+        return _call(_passes[which], _passes[which + 1], args, n)
     except OSError:  # numba could not write its cache (disk full, directory gone since import): compile without
-        global _passes
         _passes = _compile(False)
-        return _run(args)
+        return _call(_passes[which], _passes[which + 1], args, n)
 
 
-def _run(args: tuple) -> np.ndarray:
-    serial, parallel = _passes
-    if args[5] >= PARALLEL and _parallel_lock.acquire(blocking=False):
+def _call(serial, parallel, args: tuple, n: int):
+    if n >= PARALLEL and _parallel_lock.acquire(blocking=False):
         try:
             numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
             return parallel(*args)

@@ -239,7 +239,7 @@ def test_fused_figures_do_not_depend_on_the_thread_count():
             runs.append(_fused.figures(y, r, bound, torch.finfo(torch.float32).tiny))
     finally:
         torch.set_num_threads(threads)
-    serial, parallel = _fused._passes
+    serial, parallel = _fused._passes[:2]
     args = (y.data_ptr(), *_fused._READ[torch.float32], r.data_ptr(), bound.data_ptr(), r.numel(), bound.numel(),
             _fused._exponent_field(torch.finfo(torch.float32).tiny))
     assert runs[0].tolist() == runs[1].tolist() == serial(*args).tolist() == parallel(*args).tolist()
@@ -260,6 +260,37 @@ def test_the_spacing_unit_from_the_exponent_bits_is_the_definitions(dtype):
             bits = np.array([sign << 63 | field << 52 | 12345], np.uint64).view(np.int64)[0]
             got = _fused._inverse_unit(bits, _fused._exponent_field(tiny))
             assert got == want, (field, sign, got, want)
+
+
+@fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_spacing_in_one_pass_equals_the_torch_passes(dtype, monkeypatch):
+    """spacing() of a large contiguous reference is one numba pass: the same values, bit for bit, as torch's
+    three (the exponent bits, the floor at tiny, the scale), over every binade, zeros, subnormals, infinities
+    and NaN, on one thread and two; into a given buffer or a new one."""
+    from shadow import _fused
+
+    n = 3 * _fused.CHUNK + 11
+    g = torch.Generator().manual_seed(4)
+    r = torch.randn(n, dtype=f64, generator=g) * torch.exp2(torch.randint(-1074, 1023, (n,), generator=g).double())
+    r[::17] = 0.0
+    r[1::19] = -0.0
+    r[2::23] = math.inf
+    r[3::29] = -math.inf
+    r[4::31] = math.nan
+    r[5::37] = 5e-324
+    threads = torch.get_num_threads()
+    for times in (1.0, 3.0, 0.5):
+        with monkeypatch.context() as m:
+            m.setattr(metrics, "_fused", None)  # as without numba
+            want = metrics.spacing(r, dtype, times)
+        try:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for got in (metrics.spacing(r, dtype, times), metrics.spacing(r, dtype, times, out=torch.empty_like(r))):
+                    assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (dtype, times, t)
+        finally:
+            torch.set_num_threads(threads)
 
 
 @fused
