@@ -534,7 +534,8 @@ class Engine:
         info = None
         if budget is not None and local is not None:
             if local.norm > 0:
-                local.effective_bits = self._guarded(p, None, lambda: budget.bits(local.norm ** 2))
+                local.effective_bits = self._guarded(p, None, lambda: budget.bits(local.norm ** 2,
+                                                                                  _reference_sq(compared)))
             info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
         flips = local_flips = mismatch = skipped = 0
         for c in compared:
@@ -852,6 +853,18 @@ def _first_tensor(plan: OpPlan, args, kwargs, out) -> torch.Tensor | None:
         if isinstance(t, torch.Tensor):
             return t
     return next((t for _, t in plan.tensors(args, kwargs, plan.writes)), None)
+
+
+def _reference_sq(compared: list[Compared]) -> tuple[int, float] | None:
+    """(elements, sum r**2) of the local reference of a call's one output, from its figures (||r|| = norm /
+    rel_norm), where they cover every element and all are finite; else None."""
+    if len(compared) != 1:
+        return None
+    c = compared[0]
+    st = c.local
+    if st is None or c.skipped or st.nonfinite or st.nonfinite_agreed or not 0.0 < st.rel_norm < _INF:
+        return None
+    return st.n, (st.norm / st.rel_norm) ** 2
 
 
 def _condition(bound: Any, r: Any, scratch: Scratch) -> torch.Tensor | None:

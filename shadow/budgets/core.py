@@ -193,8 +193,14 @@ class Budget:
         self._scale_sq = s
         return s
 
-    def bits(self, err_sq_sum: float) -> float:
-        """:func:`effective_bits` of an observed sum of squared errors under this op's scales."""
+    def bits(self, err_sq_sum: float, reference_sq: tuple[int, float] | None = None) -> float:
+        """:func:`effective_bits` of an observed sum of squared errors under this op's scales.
+        ``reference_sq``: (elements, sum r**2) of the one output, all finite, when the comparison summed them
+        already: the default scale is then not read again (a pass over the output)."""
+        if self._scale_sq is None and reference_sq is not None:
+            floats = [r for r in self._outputs if is_float(r)]
+            if len(floats) == 1 and floats[0].numel() == reference_sq[0]:
+                self._scale_sq = (reference_sq[1], 0.0)
         s, acc = self.scales()
         n = sum(r.numel() for r in self._outputs if is_float(r))
         return effective_bits(err_sq_sum, s, acc, self._dtype, n)
