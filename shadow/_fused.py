@@ -246,13 +246,56 @@ def _parallel_spacing(r_address, out_address, n, tiny, scale):
         _spacing_chunk(bits, out, tiny, scale, c * CHUNK, min(n, (c + 1) * CHUNK))
 
 
+@njit(error_model="numpy")
+def _largest_chunk(bound, step, r, start, stop, out):
+    """The first position of the largest ``bound[i * step] / |r[i]|`` in [start, stop) and its value into
+    ``out`` (NaN never the largest; position -1 where every quotient is NaN)."""
+    best, at = -_INF, -1
+    for i in range(start, stop):
+        q = bound[i * step] / abs(r[i])
+        if q > best:
+            best, at = q, i
+    out[0], out[1] = best, at
+
+
+@njit
+def _largest_of(parts):
+    """The chunks' winners in chunk order: the first of equal values, whichever thread found which."""
+    best, at = -_INF, -1.0
+    for c in range(parts.shape[0]):
+        if parts[c, 1] >= 0 and (at < 0 or parts[c, 0] > best):
+            best, at = parts[c, 0], parts[c, 1]
+    return int(at)
+
+
+def _serial_largest(bound_address, n_bound, r_address, n):
+    bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
+    r = numba.carray(_pointer(r_address), n, np.float64)
+    step = 0 if n_bound == 1 else 1
+    parts = np.empty(((n + CHUNK - 1) // CHUNK, 2))
+    for c in range(parts.shape[0]):
+        _largest_chunk(bound, step, r, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
+    return _largest_of(parts)
+
+
+def _parallel_largest(bound_address, n_bound, r_address, n):
+    bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
+    r = numba.carray(_pointer(r_address), n, np.float64)
+    step = 0 if n_bound == 1 else 1
+    parts = np.empty(((n + CHUNK - 1) // CHUNK, 2))
+    for c in prange(parts.shape[0]):
+        _largest_chunk(bound, step, r, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
+    return _largest_of(parts)
+
+
 def _compile(cache: bool) -> tuple:
-    """The comparison's serial and parallel passes, then the spacing's, compiled at their first call for each
-    input type. Two functions each, not one jitted twice: numba's cache tells entries apart by function, not
-    by the parallel flag."""
+    """The comparison's serial and parallel passes, then the spacing's, then the largest quotient's, compiled
+    at their first call for each input type. Two functions each, not one jitted twice: numba's cache tells
+    entries apart by function, not by the parallel flag."""
     try:
         return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
-                njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing))
+                njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing),
+                njit(cache=cache)(_serial_largest), njit(cache=cache, parallel=True)(_parallel_largest))
     except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
         return _compile(False)
 
@@ -311,8 +354,16 @@ def spacing(r: torch.Tensor, out: torch.Tensor, tiny: float, scale: float) -> No
     _run(2, (r.data_ptr(), out.data_ptr(), r.numel(), tiny, scale), r.numel())
 
 
+def largest_ratio(bound: torch.Tensor, r: torch.Tensor) -> int:
+    """The first flat position of the largest bound / |r| (NaN never the largest; -1 if every quotient is
+    NaN), for contiguous float64 CPU tensors: ``r``, and ``bound`` of r's size or of one element. One read of
+    each, where the torch path writes |r|, then the quotient, then reads it for argmax."""
+    return _run(4, (bound.data_ptr(), bound.numel(), r.data_ptr(), r.numel()), r.numel())
+
+
 def _run(which: int, args: tuple, n: int):
-    """Pass ``which`` (0: the comparison, 2: the spacing) on ``args``: the parallel one above PARALLEL elements."""
+    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient) on ``args``: the parallel
+    one above PARALLEL elements."""
     global _passes
     try:
         return _call(_passes[which], _passes[which + 1], args, n)

@@ -22,6 +22,7 @@ from .attribution.tracking import Attribution
 from .budgets import Budget, budget_for, reads_overwritten
 from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
+from .metrics import _fused  # the numba kernels (None without numba)
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import CPU, Mirror, Placement, shadow_dtype_of
 from .options import Options
@@ -33,6 +34,7 @@ from .report import Report, merged
 from .rules import run_chain
 from .scratch import Scratch
 from .spot import SpotPolicy, SpotStats
+from .spot.sampling import top_positions
 
 _INF = math.inf
 # Shadow's own work must reach no dispatch mode (none below sees it, the engine records none of its ops). It
@@ -622,7 +624,7 @@ class Engine:
         ref = [t if isinstance(t, torch.Tensor) else None for _, t in flat_returns(plan, refs)]
         priority = None
         if budget is not None and budget.of_sum:
-            priority = [_condition(b, r, self.scratch) for b, r in zip(budget.bound, ref)]
+            priority = [_Condition.of(b, r, self.scratch) for b, r in zip(budget.bound, ref)]
         stats, samples = self.spot.check(plan.func, p.pre.args, p.pre.kwargs, dev, ref, dtype, priority)
         for s in samples:
             if not s.trusted and ref[s.output] is not None:
@@ -867,13 +869,40 @@ def _reference_sq(compared: list[Compared]) -> tuple[int, float] | None:
     return st.n, (st.norm / st.rel_norm) ** 2
 
 
-def _condition(bound: Any, r: Any, scratch: Scratch) -> torch.Tensor | None:
-    """bound / |r| elementwise (a budget's error bound relative to the result: large where r cancels)."""
-    if not isinstance(bound, torch.Tensor) or not isinstance(r, torch.Tensor) or r.is_complex() \
-            or not r.is_floating_point():
-        return None
-    a = torch.abs(r, out=scratch.empty_like(r, r.dtype))
-    return torch.div(bound, a, out=a) if bound.shape == r.shape else torch.broadcast_to(bound, r.shape) / a
+class _Condition:
+    """bound / |r| elementwise (a budget's error bound relative to the result: large where r cancels), the
+    spot checks' priority (``shadow.spot.sampling.Ranked``), computed when asked: its largest element alone
+    in one pass (``shadow._fused.largest_ratio``) where both tensors are contiguous float64 on the CPU."""
+
+    __slots__ = ("bound", "r", "scratch")
+
+    def __init__(self, bound: torch.Tensor, r: torch.Tensor, scratch: Scratch):
+        self.bound, self.r, self.scratch = bound, r, scratch
+
+    @staticmethod
+    def of(bound: Any, r: Any, scratch: Scratch) -> _Condition | None:
+        """The condition estimate of a real floating result and its bound tensor, else None."""
+        if not isinstance(bound, torch.Tensor) or not isinstance(r, torch.Tensor) or r.is_complex() \
+                or not r.is_floating_point():
+            return None
+        return _Condition(bound, r, scratch)
+
+    def numel(self) -> int:
+        return self.r.numel()
+
+    def top(self, n: int) -> list[int]:
+        b, r = self.bound, self.r
+        if n == 1 and _fused is not None and r.device.type == b.device.type == "cpu" \
+                and r.dtype == b.dtype == torch.float64 and (b.shape == r.shape or b.numel() == 1) \
+                and r.is_contiguous() and b.is_contiguous() and not b.is_neg():
+            i = _fused.largest_ratio(b, r)
+            return [] if i < 0 else [i]
+        return top_positions(self.tensor(), n)
+
+    def tensor(self) -> torch.Tensor:
+        b, r = self.bound, self.r
+        a = torch.abs(r, out=self.scratch.empty_like(r, r.dtype))
+        return torch.div(b, a, out=a) if b.shape == r.shape else torch.broadcast_to(b, r.shape) / a
 
 
 def _scalar(v: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -337,6 +337,34 @@ def test_highest_priority_elements_are_checked_first():
     assert sample_indices(0, "op", 1, 0, 64, 3, prio)[:2] == [5 * 8 + 2, 1 * 8 + 7]
 
 
+@pytest.mark.parametrize("n", [1000, 3 * 2**15 + 7])  # one chunk; chunks on both threads
+def test_the_condition_estimates_largest_element_in_one_pass_is_the_ranked_ones(n):
+    """The engine's spot-check priority, bound / |r|, computed when asked: its largest element alone by one
+    pass (shadow._fused) where both tensors are contiguous CPU float64, the first of equal ones, never a NaN
+    (0/0); the same position as ranking the materialized quotient, bound tensor or one-element bound; more
+    positions than one rank the quotient."""
+    from shadow.engine import _Condition
+    from shadow.scratch import Scratch
+    from shadow.spot.sampling import top_positions
+
+    g = torch.Generator().manual_seed(n)
+    r = torch.randn(n, dtype=f64, generator=g)
+    bound = r.abs() * (1 + torch.rand(n, dtype=f64, generator=g))
+    r[::7], bound[::14] = 0.0, 0.0  # 0/0 (NaN) and x/0 (inf)
+    for b in (bound, bound[1:2].clone(), bound.clone().fill_(1.0)):
+        for rr in (r, r.clone().fill_(2.0)):  # all equal quotients: the first position
+            c = _Condition(b, rr, Scratch())
+            want = top_positions(c.tensor(), 1)
+            assert c.top(1) == want, (b.numel(), c.top(1), want)
+            assert c.top(3) == top_positions(c.tensor(), 3)
+    nan = _Condition(torch.zeros(n, dtype=f64), torch.zeros(n, dtype=f64), Scratch())
+    assert nan.top(1) == []  # every quotient NaN: no position by priority (random ones fill in)
+    if n > 2**15:  # the largest quotient in the third chunk, past the first thread's
+        r2, b2 = torch.ones(n, dtype=f64), torch.ones(n, dtype=f64)
+        b2[2 * 2**15 + 5] = 9.0
+        assert _Condition(b2, r2, Scratch()).top(1) == [2 * 2**15 + 5]
+
+
 def test_a_cancelling_call_gets_more_samples_than_a_benign_one():
     benign = (_data(64, 3), [1])
     cancelling = (torch.tensor([[1e16, 1.0, -1e16]] * 64), [1])

@@ -15,7 +15,7 @@ import torch
 from ..errors import ShadowOptionError
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Reference, estimate_cost_us, reference_for
-from .sampling import sample_indices
+from .sampling import Ranked, sample_indices
 from .verdict import Sample, SpotStats, spot_check, summarize
 
 DEFAULT_SAMPLES = 2  # elements per output per op call by default: one by priority (when given), one at random
@@ -36,12 +36,13 @@ _FORMS = (
 )
 
 
-def _priority(priority: Sequence[torch.Tensor | None] | None, k: int, numel: int) -> torch.Tensor | None:
+def _priority(priority: Sequence[torch.Tensor | Ranked | None] | None, k: int,
+              numel: int) -> torch.Tensor | Ranked | None:
     """Output ``k``'s priorities, when given for every one of its elements."""
     if priority is None or k >= len(priority):
         return None
     p = priority[k]
-    return p if isinstance(p, torch.Tensor) and p.numel() == numel else None
+    return p if p is not None and p.numel() == numel else None
 
 
 def _family(op_name: str) -> str:
@@ -222,7 +223,7 @@ class SpotPolicy:
         device_outputs: Sequence[torch.Tensor | None],
         reference_outputs: Sequence[torch.Tensor | None],
         dtype: torch.dtype,
-        priority: Sequence[torch.Tensor | None] | None = None,
+        priority: Sequence[torch.Tensor | Ranked | None] | None = None,
     ) -> tuple[SpotStats | None, list[Sample]]:
         """Spot-check one call: ``args``/``kwargs`` as the float64 reference read them (for in-place and
         ``out=`` ops, as they were before the call); ``device_outputs`` and ``reference_outputs`` aligned

@@ -5,14 +5,28 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 
-def _priority_order(priority: torch.Tensor | None, n: int) -> list[int]:
-    """The flat positions of the ``n`` largest priorities (NaN ranks last), largest first."""
+class Ranked(Protocol):
+    """A priority computed when asked (``shadow.engine``'s condition estimates): its size, and the flat
+    positions of its ``n`` largest values, largest first, as ``top_positions`` of it would give them."""
+
+    def numel(self) -> int: ...
+
+    def top(self, n: int) -> list[int]: ...
+
+
+def _priority_order(priority: torch.Tensor | Ranked | None, n: int) -> list[int]:
     if priority is None or n <= 0 or priority.numel() == 0:
         return []
+    return top_positions(priority, n) if isinstance(priority, torch.Tensor) else priority.top(n)
+
+
+def top_positions(priority: torch.Tensor, n: int) -> list[int]:
+    """The flat positions of the ``n`` largest priorities (NaN ranks last), largest first."""
     p = priority.detach().reshape(-1).to(torch.float64)  # ranked where it lives: only positions come back
     if n == 1:  # the default: one pass, NaN (which argmax prefers) removed only where one wins
         i = p.argmax()
@@ -25,7 +39,7 @@ def _priority_order(priority: torch.Tensor | None, n: int) -> list[int]:
 
 def sample_indices(
     seed: int, op_name: str, call: int, output: int, numel: int, n: int,
-    priority: torch.Tensor | None = None, exclude: Sequence[int] = (),
+    priority: torch.Tensor | Ranked | None = None, exclude: Sequence[int] = (),
 ) -> list[int]:
     """``n`` distinct flat positions in ``[0, numel)``: the top ``ceil(n/2)`` by ``priority`` (when
     given), then positions drawn from a generator seeded by ``(seed, op_name, call, output)`` (the same
