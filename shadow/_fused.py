@@ -268,21 +268,23 @@ def _largest_of(parts):
     return int(at)
 
 
-def _serial_largest(bound_address, n_bound, r_address, n):
+@njit
+def _largest_arrays(bound_address, n_bound, r_address, n):
+    """The largest quotient's views of the tensors' memory, the bound's step, and the chunks' partials."""
     bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
     r = numba.carray(_pointer(r_address), n, np.float64)
-    step = 0 if n_bound == 1 else 1
-    parts = np.empty(((n + CHUNK - 1) // CHUNK, 2))
+    return bound, 0 if n_bound == 1 else 1, r, np.empty(((n + CHUNK - 1) // CHUNK, 2))
+
+
+def _serial_largest(bound_address, n_bound, r_address, n):
+    bound, step, r, parts = _largest_arrays(bound_address, n_bound, r_address, n)
     for c in range(parts.shape[0]):
         _largest_chunk(bound, step, r, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
     return _largest_of(parts)
 
 
 def _parallel_largest(bound_address, n_bound, r_address, n):
-    bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
-    r = numba.carray(_pointer(r_address), n, np.float64)
-    step = 0 if n_bound == 1 else 1
-    parts = np.empty(((n + CHUNK - 1) // CHUNK, 2))
+    bound, step, r, parts = _largest_arrays(bound_address, n_bound, r_address, n)
     for c in prange(parts.shape[0]):
         _largest_chunk(bound, step, r, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
     return _largest_of(parts)
