@@ -356,10 +356,15 @@ def spacing(r: torch.Tensor, out: torch.Tensor, tiny: float, scale: float) -> No
     _run(2, (r.data_ptr(), out.data_ptr(), r.numel(), tiny, scale), r.numel())
 
 
-def largest_ratio(bound: torch.Tensor, r: torch.Tensor) -> int:
+def largest_ratio(bound: torch.Tensor, r: torch.Tensor) -> int | None:
     """The first flat position of the largest bound / |r| (NaN never the largest; -1 if every quotient is
-    NaN), for contiguous float64 CPU tensors: ``r``, and ``bound`` of r's size or of one element. One read of
-    each, where the torch path writes |r|, then the quotient, then reads it for argmax."""
+    NaN): one read of each, where the torch path writes |r|, then the quotient, then reads it for argmax.
+    None where the pass cannot read them: it takes contiguous float64 CPU tensors, ``bound`` of r's shape or
+    of one element."""
+    if r.device.type != "cpu" or bound.device.type != "cpu" or r.dtype != torch.float64 \
+            or bound.dtype != torch.float64 or not (bound.shape == r.shape or bound.numel() == 1) \
+            or not r.is_contiguous() or not bound.is_contiguous() or bound.is_neg():
+        return None
     return _run(4, (bound.data_ptr(), bound.numel(), r.data_ptr(), r.numel()), r.numel())
 
 

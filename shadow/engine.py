@@ -872,7 +872,7 @@ def _reference_sq(compared: list[Compared]) -> tuple[int, float] | None:
 class _Condition:
     """bound / |r| elementwise (a budget's error bound relative to the result: large where r cancels), the
     spot checks' priority (``shadow.spot.sampling.Ranked``), computed when asked: its largest element alone
-    in one pass (``shadow._fused.largest_ratio``) where both tensors are contiguous float64 on the CPU."""
+    in one pass where ``shadow._fused.largest_ratio`` reads the tensors."""
 
     __slots__ = ("bound", "r", "scratch")
 
@@ -891,11 +891,8 @@ class _Condition:
         return self.r.numel()
 
     def top(self, n: int) -> list[int]:
-        b, r = self.bound, self.r
-        if n == 1 and _fused is not None and r.device.type == b.device.type == "cpu" \
-                and r.dtype == b.dtype == torch.float64 and (b.shape == r.shape or b.numel() == 1) \
-                and r.is_contiguous() and b.is_contiguous() and not b.is_neg():
-            i = _fused.largest_ratio(b, r)
+        i = _fused.largest_ratio(self.bound, self.r) if n == 1 and _fused is not None else None
+        if i is not None:
             return [] if i < 0 else [i]
         return top_positions(self.tensor(), n)
 
