@@ -232,16 +232,20 @@ def _spacing_chunk(bits, out, tiny, scale, start, stop):
         out[i] = (v if v > tiny else tiny) * scale
 
 
+@njit
+def _spacing_arrays(r_address, out_address, n):
+    """The spacing's views of the tensors' memory: r's bits, and the result."""
+    return numba.carray(_pointer(r_address), n, np.int64), numba.carray(_pointer(out_address), n, np.float64)
+
+
 def _serial_spacing(r_address, out_address, n, tiny, scale):
-    bits = numba.carray(_pointer(r_address), n, np.int64)
-    out = numba.carray(_pointer(out_address), n, np.float64)
+    bits, out = _spacing_arrays(r_address, out_address, n)
     for c in range((n + CHUNK - 1) // CHUNK):
         _spacing_chunk(bits, out, tiny, scale, c * CHUNK, min(n, (c + 1) * CHUNK))
 
 
 def _parallel_spacing(r_address, out_address, n, tiny, scale):
-    bits = numba.carray(_pointer(r_address), n, np.int64)
-    out = numba.carray(_pointer(out_address), n, np.float64)
+    bits, out = _spacing_arrays(r_address, out_address, n)
     for c in prange((n + CHUNK - 1) // CHUNK):
         _spacing_chunk(bits, out, tiny, scale, c * CHUNK, min(n, (c + 1) * CHUNK))
 

@@ -20,6 +20,7 @@ class Ranked(Protocol):
 
 
 def _priority_order(priority: torch.Tensor | Ranked | None, n: int) -> list[int]:
+    """The flat positions of the ``n`` largest priorities, largest first (none without a priority)."""
     if priority is None or n <= 0 or priority.numel() == 0:
         return []
     return top_positions(priority, n) if isinstance(priority, torch.Tensor) else priority.top(n)
