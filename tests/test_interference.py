@@ -167,3 +167,20 @@ def test_infinities_in_the_program_add_no_warning():
     assert [str(w.message) for w in caught] == [str(w.message) for w in ref_caught]
     assert sm.report.coverage.internal_errors == 0, str(sm.report.coverage)
     assert any(r.drift is not None and r.drift.n for r in sm.report.find(op="aten.add.Tensor"))
+
+
+def test_the_programs_storages_stay_resizable():
+    """Reading a tensor must leave it as it was: numpy views made with Tensor.numpy() mark a storage
+    non-resizable, after which the program's own resize_ would fail. Spot checks of every element read the
+    operands of exact sums and dot products; the program then resizes each of its tensors."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5), torch.randn(5, 4, requires_grad=True)
+    with ShadowMode(spot_checks="all") as sm:
+        y = x @ w
+        s = y.sum()
+        s.backward()
+        m = x.mean(dim=1)
+    assert sm.report.find(op="aten.mm.default")[0].spot.checked
+    for name, t in {"x": x, "w": w.detach(), "w.grad": w.grad, "y": y.detach(), "s": s.detach(), "m": m}.items():
+        t.resize_(64)  # raises "Trying to resize storage that is not resizable" if shadow pinned it
+        assert t.numel() == 64, name

@@ -564,6 +564,16 @@ def test_float32_valued_float64_tensors_take_the_product_path():
     assert exact_dot(a.double(), a.double()).value == exact_dot(a, a, method="mpmath").value
 
 
+@pytest.mark.parametrize("dtype", [f64, torch.float32, torch.float16])
+def test_exact_sums_leave_their_inputs_resizable(dtype):
+    """float64_array reads float32 and float64 tensors through numpy without Tensor.numpy(), which would
+    mark the storage non-resizable: a later resize_ of the caller's tensor would fail."""
+    a, b = torch.randn(6, dtype=dtype), torch.randn(6, dtype=dtype)
+    want = exact_sum(a, method="mpmath").value
+    assert exact_sum(a).value == want and exact_dot(a, b).value == exact_dot(a, b, method="mpmath").value
+    a.resize_(100), b.resize_(100)
+
+
 @pytest.mark.parametrize("spread", [0.0, 100.0, 1000.0])
 def test_fast_sum_equals_mpmath(spread):
     gen = torch.Generator().manual_seed(5)

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from mpmath.libmp import from_float, mpf_mul, mpf_pos, mpf_shift, mpf_sum, round_nearest, to_float, to_int
 
+from ..metrics import host
+
 mpf = mpmath.mpf
 
 DEFAULT_BITS = 128  # the precision promised for a result: 75 bits more than float64
@@ -149,9 +151,10 @@ def float64_array(t: torch.Tensor | Sequence[float]) -> tuple[np.ndarray, bool]:
         raise Uncovered(f"exact sums take real tensors, got {t.dtype}")
     if not (t.is_floating_point() or t.dtype in _EXACT_INT_DTYPES) and t.numel() and t.abs().max().item() > 2**53:
         raise Uncovered(f"{t.dtype} values above 2**53 are not exact in float64")
-    t = (t.detach() if t.requires_grad else t).cpu().reshape(-1)
-    # numpy converts float32 exactly and faster than a torch op; bfloat16/float16/ints go through torch
-    a = t.numpy().astype(np.float64) if t.dtype in (torch.float32, torch.float64) else t.to(torch.float64).numpy()
+    t = (t.detach() if t.requires_grad else t).reshape(-1)
+    # numpy converts float32 exactly and faster than a torch op, read through host(): Tensor.numpy() would
+    # leave the caller's storage non-resizable. bfloat16, float16 and integers go through torch.
+    a = host(t).astype(np.float64) if t.dtype in (torch.float32, torch.float64) else t.to("cpu", torch.float64).numpy()
     if not np.isfinite(a).all():
         raise Uncovered("non-finite input: IEEE special values are compared apart")
     if t.dtype in _NARROW_DTYPES or t.dtype in _EXACT_INT_DTYPES:
