@@ -58,7 +58,8 @@ class RuleTable(Generic[R]):
         self._exact: dict[OpOverload, R] = {}
         self._families: dict[OpOverloadPacket, R] = {}
         self._predicates: list[tuple[Callable[[OpPlan], bool], R]] = []
-        self._chains: dict[Any, tuple[R, ...]] = {}
+        self._chains: dict[Any, tuple[R, ...]] = {}  # lookups, cleared by every registration
+        self._owns: dict[Any, R | None] = {}
 
     def __repr__(self) -> str:
         return (f"RuleTable({self.name!r}: {len(self._exact)} ops, {len(self._families)} families, "
@@ -82,7 +83,7 @@ class RuleTable(Generic[R]):
                 if op in table:
                     raise DuplicateRuleError(self.name, op, rule_name(table[op]), rule_name(rule))
                 table[op] = rule
-            self._chains.clear()
+            self._forget()
             return rule
 
         return deco
@@ -93,19 +94,28 @@ class RuleTable(Generic[R]):
 
         def deco(rule: R) -> R:
             self._predicates.append((pred, rule))
-            self._chains.clear()
+            self._forget()
             return rule
 
         return deco
 
     # --- lookup ---
+    def _forget(self) -> None:
+        self._chains.clear()
+        self._owns.clear()
+
     def own(self, func: Any) -> R | None:
         """The rule registered for this op itself (exact, else family), without predicates or default."""
+        try:
+            return self._owns[func]
+        except KeyError:
+            pass
         rule = self._exact.get(func)
         if rule is None and self._covers is not None and isinstance(func, OpOverload):
             rule = self._families.get(func.overloadpacket)
             if rule is not None and not self._covers(func):
                 rule = None
+        self._owns[func] = rule
         return rule
 
     def chain(self, func: Any) -> tuple[R, ...]:
@@ -138,7 +148,7 @@ class RuleTable(Generic[R]):
             yield self
         finally:
             self._exact, self._families, self._predicates = dict(saved[0]), dict(saved[1]), list(saved[2])
-            self._chains.clear()
+            self._forget()
 
 
 def run_chain(chain: tuple, *args: Any) -> Any:

@@ -63,6 +63,18 @@ def test_scoped_registrations_are_undone():
     assert table.run(aten.mm.default) == "default" and table.run(aten.exp.default) == "default"
 
 
+def test_lookups_are_remembered_until_the_next_registration():
+    """own() and chain() are cached per op: a registration, or the end of a scoped block, forgets them."""
+    table = RuleTable("test", families=_returns_tensors)
+    assert table.own(aten.exp.default) is None  # asked (and remembered) before any rule exists
+    family = table.register(aten.exp)(lambda: "family")
+    assert table.own(aten.exp.default) is family and table.own(aten.exp.out) is family
+    with table.scoped():
+        exact = table.register(aten.exp.default)(lambda: "exact")
+        assert table.own(aten.exp.default) is exact and table.chain(aten.exp.default) == (exact,)
+    assert table.own(aten.exp.default) is family and table.chain(aten.exp.default) == (family,)
+
+
 def test_the_plan_binds_by_schema_name_with_defaults():
     plan = plan_of(aten.addmm.default)
     a, b, c = torch.ones(2, 2), torch.ones(2, 3), torch.ones(3, 2)

@@ -208,7 +208,15 @@ def reference_for(func: Any) -> Reference | None:
     (True, None)
     """
     entry = REFERENCES.own(func)
-    return None if entry is None else Reference(func, entry.fn, entry.outputs, entry.cost)
+    if entry is None:
+        return None
+    made = _MADE.get(func)
+    if made is None or made[0] is not entry:  # first asked, or registered anew (RuleTable.scoped in tests)
+        made = _MADE[func] = (entry, Reference(func, entry.fn, entry.outputs, entry.cost))
+    return made[1]
+
+
+_MADE: dict[OpOverload, tuple[_Entry, Reference]] = {}  # reference_for's answers, asked once per op call
 
 
 def reference(func: OpOverload, *args: Any, **options: Any) -> Exact:
