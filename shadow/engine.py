@@ -24,7 +24,7 @@ from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import _fused  # the numba kernels (None without numba)
 from .metrics import ErrorStats, compare, count_flips
-from .mirror import CPU, Mirror, Placement, shadow_dtype_of
+from .mirror import CPU, Mirror, Placement, any_nonfinite, shadow_dtype_of
 from .options import Options
 from .plan import ArgSpec, OpPlan, flat_returns, plan_of
 from .records import BudgetInfo, Event, Kind, Record
@@ -660,7 +660,7 @@ class Engine:
             return
         m, dev = self.mirror, o.device
         if c.mismatch:  # the device's value, adopted
-            m.assign(dev, c.keep, exact=True, fresh=True, nonfinite=not bool(torch.isfinite(dev).all()))
+            m.assign(dev, c.keep, exact=True, fresh=True, nonfinite=any_nonfinite(dev))
             return
         drift = c.drift.rel_norm if c.drift is not None and not c.exact else 0.0
         if o.written:
@@ -681,7 +681,7 @@ class Engine:
         for t in tensors:
             if isinstance(t, torch.Tensor) and not t._is_zerotensor() and m.shadow_dtype(t.dtype) is not None \
                     and t.layout == torch.strided and not t.is_nested:  # sparse and nested results: not mirrored
-                m.assign(t, m.upcast(t), exact=True, fresh=True, nonfinite=not bool(torch.isfinite(t).all()))
+                m.assign(t, m.upcast(t), exact=True, fresh=True, nonfinite=any_nonfinite(t))
 
     def adopt(self, tensors: list[torch.Tensor]) -> None:
         """Make the device's values the shadow of ``tensors`` (results computed where shadow could not see)."""

@@ -151,6 +151,24 @@ def test_tensors_first_seen_are_adopted_exactly_and_counted():
     assert sm.report.coverage.tensors_adopted == 1
 
 
+def test_a_storage_adopted_holds_a_nonfinite_value_exactly_when_an_element_is_one():
+    """Adoption tests a storage by its sum, and element by element only where the sum is not finite: an
+    overflowing sum of finite values (float64 near its maximum, float16) must not mark the storage."""
+    from shadow.mirror import any_nonfinite
+
+    inf, nan = math.inf, math.nan
+    cases = [([1.0, 2.0], torch.float32, False), ([1.0, inf], torch.float32, True), ([-inf, inf], torch.float32, True),
+             ([nan, 1.0], torch.bfloat16, True), ([1e308, 1e308], torch.float64, False),
+             ([6e4] * 100, torch.float16, False), ([], torch.float32, False), ([1, 2], torch.int64, False)]
+    for values, dtype, want in cases:
+        assert any_nonfinite(torch.tensor(values, dtype=dtype)) is want, (values, dtype)
+    assert any_nonfinite(torch.tensor([1.0, 2.0]).to(torch.float8_e5m2)) is False  # no sum for float8: the mask
+    x, w = torch.tensor([1.0, inf, 3.0]), torch.tensor([1.0, 2.0, 3.0])
+    with ShadowMode() as sm:
+        x * 2, w * 2
+    assert [r.inputs_nonfinite for r in records(sm, "aten.mul.Tensor")] == [True, False]
+
+
 def test_random_ops_are_adopted_and_rng_untouched():
     def program():
         return torch.rand(3), torch.randn(2), torch.bernoulli(torch.full((5,), 0.3)), torch.nn.init.normal_(torch.empty(4))

@@ -154,7 +154,7 @@ def test_observers_keep_auto_on_the_cpu():
 def on_meta(monkeypatch):
     """A mirror whose shadows live on "meta": where a shadow lands is visible without a GPU (meta tensors hold no
     values, so the non-finite scan of adopted storages is skipped)."""
-    monkeypatch.setattr(mirror_module, "_nonfinite", lambda values: False)
+    monkeypatch.setattr(mirror_module, "any_nonfinite", lambda values: False)
     return Mirror(False, Placement(META))
 
 
