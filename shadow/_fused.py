@@ -294,14 +294,54 @@ def _parallel_largest(bound_address, n_bound, r_address, n):
     return _largest_of(parts)
 
 
+# the magnitudes of ``magnitudes``: what each writes at element i
+SUB, DIV, SCALED = 0, 1, 2  # |a - b|, |a / b|, |a| * scale + offset
+
+
+@njit(error_model="numpy")
+def _magnitude_chunk(a, b, out, op, scale, offset, start, stop):
+    """Elements [start, stop) of one of the magnitudes (SUB, DIV, SCALED): each a loop of its own, which the
+    compiler vectorizes; every operation rounds once as torch's does, none is fused into another."""
+    a, b, out = a[start:stop], b[start:stop], out[start:stop]
+    if op == SUB:
+        for i in range(out.shape[0]):
+            out[i] = abs(a[i] - b[i])
+    elif op == DIV:
+        for i in range(out.shape[0]):
+            out[i] = abs(a[i] / b[i])
+    else:
+        for i in range(out.shape[0]):
+            out[i] = abs(a[i]) * scale + offset
+
+
+@njit
+def _magnitude_arrays(a_address, b_address, out_address, n):
+    """The magnitudes' views of the tensors' memory."""
+    return (numba.carray(_pointer(a_address), n, np.float64), numba.carray(_pointer(b_address), n, np.float64),
+            numba.carray(_pointer(out_address), n, np.float64))
+
+
+def _serial_magnitude(a_address, b_address, out_address, n, op, scale, offset):
+    a, b, out = _magnitude_arrays(a_address, b_address, out_address, n)
+    for c in range((n + CHUNK - 1) // CHUNK):
+        _magnitude_chunk(a, b, out, op, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
+
+
+def _parallel_magnitude(a_address, b_address, out_address, n, op, scale, offset):
+    a, b, out = _magnitude_arrays(a_address, b_address, out_address, n)
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        _magnitude_chunk(a, b, out, op, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
+
+
 def _compile(cache: bool) -> tuple:
-    """The comparison's serial and parallel passes, then the spacing's, then the largest quotient's, compiled
-    at their first call for each input type. Two functions each, not one jitted twice: numba's cache tells
-    entries apart by function, not by the parallel flag."""
+    """The comparison's serial and parallel passes, then the spacing's, the largest quotient's and the
+    magnitudes', compiled at their first call for each input type. Two functions each, not one jitted twice:
+    numba's cache tells entries apart by function, not by the parallel flag."""
     try:
         return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
                 njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing),
-                njit(cache=cache)(_serial_largest), njit(cache=cache, parallel=True)(_parallel_largest))
+                njit(cache=cache)(_serial_largest), njit(cache=cache, parallel=True)(_parallel_largest),
+                njit(cache=cache)(_serial_magnitude), njit(cache=cache, parallel=True)(_parallel_magnitude))
     except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
         return _compile(False)
 
@@ -372,9 +412,24 @@ def largest_ratio(bound: torch.Tensor, r: torch.Tensor) -> int | None:
     return _run(4, (bound.data_ptr(), bound.numel(), r.data_ptr(), r.numel()), r.numel())
 
 
+def magnitude(op: int, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, scale: float = 1.0,
+              offset: float = 0.0) -> bool:
+    """Magnitude ``op`` into ``out`` in one pass: |a - b| (SUB) or |a / b| (DIV), where torch writes the
+    difference or quotient and then reads it again for its absolute value, or |a| * scale + offset (SCALED, b
+    None), where torch makes three passes. The same values as torch's passes, bit for bit. False, and ``out``
+    untouched, where the pass cannot read the tensors: it takes contiguous float64 CPU tensors of one size."""
+    ts = (a, out) if b is None else (a, b, out)
+    n = out.numel()
+    if any(t.device.type != "cpu" or t.dtype != torch.float64 or not t.is_contiguous() or t.is_neg()
+           or t.numel() != n for t in ts):
+        return False
+    _run(6, (a.data_ptr(), a.data_ptr() if b is None else b.data_ptr(), out.data_ptr(), n, op, scale, offset), n)
+    return True
+
+
 def _run(which: int, args: tuple, n: int):
-    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient) on ``args``: the parallel
-    one above PARALLEL elements."""
+    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient, 6: the magnitudes) on
+    ``args``: the parallel one above PARALLEL elements."""
     global _passes
     try:
         return _call(_passes[which], _passes[which + 1], args, n)

@@ -294,6 +294,50 @@ def test_spacing_in_one_pass_equals_the_torch_passes(dtype, monkeypatch):
 
 
 @fused
+def test_bound_magnitudes_in_one_pass_equal_the_torch_passes(monkeypatch):
+    """The bounds' |a - b|, |a / b| and |r| * c*u + floor (shadow.budgets.core.magnitude_of) are one numba pass
+    for contiguous float64 CPU tensors: the same values, bit for bit, as torch's two and three passes, over
+    every binade, zeros of both signs, subnormals, infinities, NaN and division by zero, on one thread and two.
+    Tensors the pass cannot read (strided, broadcast, float32, complex, tiny) take torch's passes."""
+    from shadow import _fused
+    from shadow.budgets import core
+
+    n = 3 * _fused.CHUNK + 11
+    g = torch.Generator().manual_seed(5)
+
+    def values():
+        v = torch.randn(n, dtype=f64, generator=g) * torch.exp2(torch.randint(-1074, 1023, (n,), generator=g).double())
+        for k, x in enumerate((0.0, -0.0, math.inf, -math.inf, math.nan, 5e-324)):
+            v[k::17 + 2 * k] = x
+        return v
+
+    a, b = values(), values()
+    calls = [(torch.sub, a, b, 1.0, 0.0), (torch.div, a, b, 1.0, 0.0), (None, a, None, 3 * 2.0**-24, 2.0**-149),
+             (None, b, None, 2.0**-53, 0.0)]
+    threads = torch.get_num_threads()
+    for op, x, y, scale, offset in calls:
+        with monkeypatch.context() as m:
+            m.setattr(core, "_fused", None)  # as without numba
+            want = core.magnitude_of(op, x, y, torch.empty_like(x), scale, offset)
+        try:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                got = core.magnitude_of(op, x, y, torch.empty_like(x), scale, offset)
+                assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (op, t)
+        finally:
+            torch.set_num_threads(threads)
+    for x, y in [(a[:128].view(2, 64).t(), b[:128].view(64, 2)), (a[:64].view(64, 1), b[:2].view(1, 2)),
+                 (a[:128].float().view(64, 2), b[:128].float().view(64, 2)), (a[:2].view(1, 2), b[:2].view(1, 2))]:
+        out = torch.empty(torch.broadcast_shapes(x.shape, y.shape), dtype=f64)
+        assert not _fused.magnitude(_fused.SUB, x, y, out) or x.shape == out.shape and x.is_contiguous()
+        torch.testing.assert_close(core.magnitude_of(torch.sub, x, y, out), (x - y).abs().to(f64).expand(out.shape),
+                                   rtol=0, atol=0, equal_nan=True)
+    z = torch.complex(a[:100], b[:100])
+    torch.testing.assert_close(core.magnitude_of(None, z, None, torch.empty(100, dtype=f64), 0.5, 1.0),
+                               z.abs() * 0.5 + 1.0, rtol=0, atol=0, equal_nan=True)
+
+
+@fused
 @pytest.mark.parametrize("case", ["nan", "overflow", "zero-small", "zero-large"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_finite_chunks_and_the_others_give_the_definitions_figures(case, threads):

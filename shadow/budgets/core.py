@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..metrics import precision_bits, spacing
+from ..metrics import _fused, precision_bits, spacing
 from ..plan import OpPlan, plan_of
 from ..rules import RuleTable
 
@@ -236,6 +236,25 @@ def add_into(b: torch.Tensor, t: Any, alpha: float = 1.0) -> torch.Tensor:
     return b.add_(t, alpha=alpha)
 
 
+_MAGNITUDES = {None: 2, torch.sub: 0, torch.div: 1}  # op -> _fused's SCALED, SUB, DIV
+
+
+def magnitude_of(op: Callable[..., torch.Tensor] | None, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
+                 scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+    """``out`` (a real temporary of the bound, the shape ``a`` and ``b`` broadcast to) set to |a - b| (``op``
+    torch.sub) or |a / b| (torch.div), or to |a| * scale + offset (``op`` None, ``b`` None): in one numba pass
+    where it reads the tensors (``shadow._fused.magnitude``, the same values bit for bit), else torch's."""
+    if _fused is None or out.numel() <= _FUSED_MIN or not _fused.magnitude(_MAGNITUDES[op], a, b, out, scale, offset):
+        if op is None:
+            torch.abs(a, out=out).mul_(scale).add_(offset)
+        else:
+            op(a, b, out=out).abs_()
+    return out
+
+
+_FUSED_MIN = 64  # elements: below this, the numba call's setup costs more than torch's passes
+
+
 def magnitude(t: Any) -> Any:
     """|t| of a tensor or a Python number."""
     return t.abs() if isinstance(t, torch.Tensor) else abs(t)
@@ -303,8 +322,8 @@ class BudgetCall:
 
     def final(self, r: torch.Tensor, c: float = 1.0) -> torch.Tensor:
         """c roundings of the result to the device dtype: c*u*|r| + c subnormal spacings."""
-        # in place, in one temporary: a fresh large tensor costs more in page faults than the arithmetic
-        return torch.abs(r, out=self.empty(r)).mul_(c * self.u).add_(self.floor(c))
+        # in one temporary: a fresh large tensor costs more in page faults than the arithmetic
+        return magnitude_of(None, r, None, self.empty(r), c * self.u, self.floor(c))
 
     def ulp_bound(self, r: torch.Tensor, n: float) -> torch.Tensor:
         """n units in the last place of the device dtype at each value of r."""

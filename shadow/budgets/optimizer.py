@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from .core import (Budget, BudgetCall, add_into, budget_for, coefficient, foreach_base, magnitude, overloads,
-                   register_budget, register_budget_predicate)
+from .core import (Budget, BudgetCall, add_into, budget_for, coefficient, foreach_base, magnitude, magnitude_of,
+                   overloads, register_budget, register_budget_predicate)
 from .elementwise import ULPS, with_operand_term
 
 ARITH_ULPS = ULPS["arith"]
@@ -33,7 +33,7 @@ def _abs_of(c: BudgetCall, op: Callable[..., torch.Tensor], a: torch.Tensor, b: 
     result's shape and is real (a complex operand makes the result complex), else in a fresh tensor."""
     r = c.out()
     if not r.is_complex() and torch.broadcast_shapes(a.shape, b.shape) == r.shape:
-        return op(a, b, out=c.empty(r)).abs_()
+        return magnitude_of(op, a, b, c.empty(r))
     t = op(a, b)
     return t.abs() if t.is_complex() else t.abs_()
 
