@@ -294,7 +294,7 @@ def _parallel_largest(bound_address, n_bound, r_address, n):
     return _largest_of(parts)
 
 
-# the magnitudes of ``magnitudes``: what each writes at element i
+# what ``magnitude`` writes at element i, by its ``op``
 SUB, DIV, SCALED = 0, 1, 2  # |a - b|, |a / b|, |a| * scale + offset
 
 

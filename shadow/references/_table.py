@@ -216,7 +216,7 @@ def reference_for(func: Any) -> Reference | None:
     return made[1]
 
 
-_MADE: dict[OpOverload, tuple[_Entry, Reference]] = {}  # reference_for's answers, asked once per op call
+_MADE: dict[OpOverload, tuple[_Entry, Reference]] = {}  # reference_for's answers: a spot check asks three times
 
 
 def reference(func: OpOverload, *args: Any, **options: Any) -> Exact:
