@@ -394,20 +394,31 @@ def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: 
                     0 if bound is None else bound.numel(), _exponent_field(tiny)), r.numel())
 
 
-def spacing(r: torch.Tensor, out: torch.Tensor, tiny: float, scale: float) -> None:
-    """``metrics.spacing`` into ``out``: max(2**floor(log2|r|), tiny) * scale for contiguous float64 CPU
-    tensors ``r`` and ``out`` (the same size), one read and one write where torch's path makes three passes."""
+SMALL = 64  # elements: up to this many, torch's passes cost less than setting up a kernel call
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether the passes can read ``t``'s memory as it is: a contiguous float64 CPU tensor without a pending
+    negation (the tensors they take by ``data_ptr()``; ``figures`` copies the others, the rest refuse them)."""
+    return t.device.type == "cpu" and t.dtype == torch.float64 and t.is_contiguous() and not t.is_neg()
+
+
+def spacing(r: torch.Tensor, out: torch.Tensor | None, tiny: float, scale: float) -> torch.Tensor | None:
+    """``metrics.spacing`` into ``out`` (r's size; a new tensor where None): max(2**floor(log2|r|), tiny) *
+    scale, one read and one write where torch's path makes three passes. None where the pass cannot read r or
+    out (``readable``), or r has at most SMALL elements."""
+    if r.numel() <= SMALL or not readable(r) or (out is not None and not readable(out)):
+        return None
+    out = torch.empty_like(r) if out is None else out
     _run(2, (r.data_ptr(), out.data_ptr(), r.numel(), tiny, scale), r.numel())
+    return out
 
 
 def largest_ratio(bound: torch.Tensor, r: torch.Tensor) -> int | None:
     """The first flat position of the largest bound / |r| (NaN never the largest; -1 if every quotient is
     NaN): one read of each, where the torch path writes |r|, then the quotient, then reads it for argmax.
-    None where the pass cannot read them: it takes contiguous float64 CPU tensors, ``bound`` of r's shape or
-    of one element."""
-    if r.device.type != "cpu" or bound.device.type != "cpu" or r.dtype != torch.float64 \
-            or bound.dtype != torch.float64 or not (bound.shape == r.shape or bound.numel() == 1) \
-            or not r.is_contiguous() or not bound.is_contiguous() or bound.is_neg():
+    None where the pass cannot read them (``readable``), or ``bound`` has neither r's shape nor one element."""
+    if not (readable(r) and readable(bound) and (bound.shape == r.shape or bound.numel() == 1)):
         return None
     return _run(4, (bound.data_ptr(), bound.numel(), r.data_ptr(), r.numel()), r.numel())
 
@@ -417,11 +428,11 @@ def magnitude(op: int, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tenso
     """Magnitude ``op`` into ``out`` in one pass: |a - b| (SUB) or |a / b| (DIV), where torch writes the
     difference or quotient and then reads it again for its absolute value, or |a| * scale + offset (SCALED, b
     None), where torch makes three passes. The same values as torch's passes, bit for bit. False, and ``out``
-    untouched, where the pass cannot read the tensors: it takes contiguous float64 CPU tensors of one size."""
+    untouched, where the pass cannot read the tensors (``readable``, all of one size) or they have at most
+    SMALL elements."""
     ts = (a, out) if b is None else (a, b, out)
     n = out.numel()
-    if any(t.device.type != "cpu" or t.dtype != torch.float64 or not t.is_contiguous() or t.is_neg()
-           or t.numel() != n for t in ts):
+    if n <= SMALL or not all(readable(t) and t.numel() == n for t in ts):
         return False
     _run(6, (a.data_ptr(), a.data_ptr() if b is None else b.data_ptr(), out.data_ptr(), n, op, scale, offset), n)
     return True

@@ -118,11 +118,9 @@ def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0, out: torch.
     if r.is_complex():
         r = r.abs()
     tiny, scale = torch.finfo(dtype).tiny, times * 2.0 ** -precision_bits(dtype)
-    if _fused is not None and r.numel() > _TINY and r.device.type == "cpu" and r.dtype == torch.float64 \
-            and r.is_contiguous() and (out is None or out.is_contiguous()):  # one pass, the same figures
-        out = torch.empty_like(r) if out is None else out
-        _fused.spacing(r, out, tiny, scale)
-        return out
+    fused = None if _fused is None else _fused.spacing(r, out, tiny, scale)  # one pass, the same figures
+    if fused is not None:
+        return fused
     floor = _pow2_floor(r, torch) if out is None else \
         torch.bitwise_and(r.view(torch.int64), _EXP_BITS, out=out.view(torch.int64)).view(torch.float64)
     return floor.clamp_min_(tiny).mul_(scale)

@@ -244,15 +244,12 @@ def magnitude_of(op: Callable[..., torch.Tensor] | None, a: torch.Tensor, b: tor
     """``out`` (a real temporary of the bound, the shape ``a`` and ``b`` broadcast to) set to |a - b| (``op``
     torch.sub) or |a / b| (torch.div), or to |a| * scale + offset (``op`` None, ``b`` None): in one numba pass
     where it reads the tensors (``shadow._fused.magnitude``, the same values bit for bit), else torch's."""
-    if _fused is None or out.numel() <= _FUSED_MIN or not _fused.magnitude(_MAGNITUDES[op], a, b, out, scale, offset):
+    if _fused is None or not _fused.magnitude(_MAGNITUDES[op], a, b, out, scale, offset):
         if op is None:
             torch.abs(a, out=out).mul_(scale).add_(offset)
         else:
             op(a, b, out=out).abs_()
     return out
-
-
-_FUSED_MIN = 64  # elements: below this, the numba call's setup costs more than torch's passes
 
 
 def magnitude(t: Any) -> Any:
