@@ -153,18 +153,15 @@ def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index:
 
 
 # --- the check of given elements ---
-def _gather(t: torch.Tensor, flats: Sequence[int]) -> list[float]:
-    """Elements of ``t`` at flat (row-major) positions, as float64 numbers. On the CPU element by
-    element (a few us each); elsewhere one gather and one transfer (one synchronization)."""
-    t = t.detach()
+def _gather(t: torch.Tensor, coords: Sequence[tuple[int, ...]]) -> list[float]:
+    """Elements of ``t`` at ``coords``, as float64 numbers. On the CPU element by element (a few us
+    each); elsewhere one gather and one transfer (one synchronization)."""
     if t.dim() == 0:
-        return [float(t.item())] * len(flats)
-    shape = tuple(t.shape)
-    coords = [_coords(f, shape) for f in flats]
+        return [float(t.item())] * len(coords)
     if t.device.type == "cpu":
         return [float(t[c].item()) for c in coords]
     cols = tuple(torch.tensor(col, dtype=torch.int64, device=t.device) for col in zip(*coords))
-    return t[cols].to("cpu", torch.float64).tolist()
+    return t.detach()[cols].to("cpu", torch.float64).tolist()
 
 
 def _coords(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
@@ -207,10 +204,9 @@ def spot_check(
     with _mpmath_lock:
         for k, flats in by_output.items():
             dev, r = device_outputs[k], reference_outputs[k]
-            ys, rs = _gather(dev, flats), _gather(r, flats)
             shape = tuple(r.shape)
-            for flat, y, rv in zip(flats, ys, rs):
-                index = _coords(flat, shape)
+            indices = [_coords(flat, shape) for flat in flats]
+            for index, y, rv in zip(indices, _gather(dev, indices), _gather(r, indices)):
                 try:
                     e = ref(args, kwargs, index, output=k, bits=bits)
                 except NoReference as exc:
