@@ -7,6 +7,7 @@ float64 reference's outputs and the device dtype.
 from __future__ import annotations
 
 import fractions
+import hashlib
 import json
 import math
 
@@ -326,6 +327,28 @@ def test_samples_are_deterministic_for_a_seed():
     assert a != c
     assert len({tuple(p) for p in a[0::2]}) == 3  # successive calls of one op get different elements
     assert sample_indices(7, "aten.exp.default", 3, 0, 10**6, 5) == sample_indices(7, "aten.exp.default", 3, 0, 10**6, 5)
+
+
+def test_the_sample_stream_is_splitmix64_so_positions_are_the_same_everywhere():
+    """The draws are SplitMix64's (its published outputs from state 0), seeded by a hash that does not depend on
+    the process (str hashes do), so a report's sampled positions can be recomputed on any machine; shuffles are
+    permutations and draws cover their range evenly."""
+    from shadow.spot.sampling import _Stream
+
+    s = _Stream.__new__(_Stream)
+    s._x = 0
+    assert [s.below(2**64) for _ in range(3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    key = b"0:aten.mm.default:1:0"
+    assert _Stream(key.decode())._x == int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    items = list(range(10))
+    _Stream("k").shuffle(items)
+    assert sorted(items) == list(range(10)) and items != list(range(10))
+    counts = [0] * 8
+    rng = _Stream("uniform")
+    for _ in range(8000):
+        counts[rng.below(8)] += 1
+    assert all(850 <= c <= 1150 for c in counts)  # 1000 each; 4.7 standard deviations either side
+    assert sample_indices(0, "op", 1, 0, 5, 5) != list(range(5)) and sorted(sample_indices(0, "op", 1, 0, 5, 5)) == list(range(5))
 
 
 def test_highest_priority_elements_are_checked_first():
