@@ -9,7 +9,9 @@ do not depend on the thread count. A chunk of finite values takes a branch-free 
 vectorizes (``_finite_chunk``; its sums are split over the vector lanes, so they agree with the index-order
 sums to rounding), the others the full one (``_chunk``). Measured on an Intel Xeon (AVX-512), one thread:
 about 0.7 ns per element for the first (1.3 with a bound tensor, a division per element) against 2.7 for
-the same loop unvectorized, and 2 to 8 for the second. Complex results stay on ``compare``'s numpy path.
+the same loop unvectorized, and 2 to 8 for the second. Complex results stay on ``compare``'s numpy path. A
+bound of ulps plus an operand term (``budgets.core.UlpsPlus``) is formed in the pass from the term and r's
+bits (``_bound_at``), never written out.
 
 The pass reads CPU memory: ``compare`` sends it references on the CPU only. A reference on a GPU
 (``ShadowMode(shadow_device=...)``) is compared there with torch ops (``metrics._compare_torch``), and only the
@@ -91,13 +93,42 @@ def _inverse_unit(bits, emin):
 
 
 # error_model="numpy": x/0 is inf and 0/0 NaN, as in torch (numba's default raises ZeroDivisionError)
+# how a bound's operand term is formed from t (and o), by ``budgets.core.UlpsPlus.op``
+TERMS = {"": 0, "abs": 1, "square": 2, "sub": 3, "div": 4, "mul": 5}  # t, |t|, t*t, |t - o|, |t / o|, |t|*|o|
+
+
+@njit(inline="always")
+def _bound_at(t, o, bits_i, scale, alpha, op, tiny):
+    """Element i's bound from ``t`` = ``bound[i * step]`` (and ``o``, the other operand's element): t itself
+    (``scale`` 0), else ``scale`` spacing units at r plus ``alpha`` times the term ``op`` forms (``TERMS``):
+    max(2**floor(log2|r|), tiny) * scale + alpha * term, each operation rounded once and none fused into
+    another, as ``budgets.core.UlpsPlus.tensor`` computes it with torch's passes."""
+    if scale == 0.0:
+        return t
+    u = _float(bits_i & 0x7FF0000000000000)  # 2**floor(log2|r|); an infinity for a non-finite r
+    if op == 1:
+        t = abs(t)
+    elif op == 2:
+        t = t * t
+    elif op == 3:
+        t = abs(t - o)
+    elif op == 4:
+        t = abs(t / o)
+    elif op == 5:
+        t = abs(t) * abs(o)
+    return (u if u > tiny else tiny) * scale + (t if alpha == 1.0 else alpha * t)
+
+
 @njit(error_model="numpy")
-def _chunk(y, table, r, bits, bound, step, emin, start, stop, out):
+def _chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, out):
     """The figures of elements [start, stop) into ``out``. ``table`` decodes 16-bit formats read as their
-    bits (None: y is float32/float64); ``bits`` is r read as int64; ``bound[i * step]`` is element i's bound
-    (step 0: one bound for all; an empty ``bound``: none); ``emin``: the float64 exponent field of the
-    dtype's smallest normal, where the spacing unit stops shrinking."""
+    bits (None: y is float32/float64); ``bits`` is r read as int64; ``bound[i * step]`` is element i's bound,
+    or with a ``scale`` its operand term, with ``other[i * ostep]`` (``_bound_at``) (step 0: one for all; an
+    empty ``bound``: none);
+    ``emin``: the float64 exponent field of the dtype's smallest normal, where the spacing unit stops
+    shrinking."""
     judged = bound.shape[0] > 0
+    tiny = _float(np.int64(emin) << 52)
     max_abs = sum_d2 = sum_r2 = max_ulp = max_ulp_nonzero = used = 0.0
     device = reference = mismatch = agreed = zero = 0
     for i in range(start, stop):
@@ -126,7 +157,7 @@ def _chunk(y, table, r, bits, bound, step, emin, start, stop, out):
         elif d < _INF:
             max_ulp_nonzero = max(max_ulp_nonzero, ulp)
         if judged:
-            q = abs(d / bound[i * step])  # 0/0 (exact where the bound is 0) is NaN: never the max
+            q = abs(d / _bound_at(bound[i * step], other[i * ostep], bits[i], scale, alpha, op, tiny))  # 0/0: NaN
             if q > used:
                 used = q
     out[MAX_ABS], out[SUM_D2], out[SUM_R2], out[MAX_ULP], out[MAX_ULP_NONZERO], out[BUDGET] = \
@@ -137,7 +168,7 @@ def _chunk(y, table, r, bits, bound, step, emin, start, stop, out):
 # reassoc: the sums may be split over the vector lanes (in an order fixed by the compiled loop, whatever the
 # thread count); nothing else is reordered, and no product is fused into an add
 @njit(error_model="numpy", fastmath={"reassoc"})
-def _finite_chunk(y, table, r, bits, bound, step, emin, start, stop, out):
+def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, out):
     """``_chunk``'s figures of elements [start, stop) where every element is finite, in a loop without
     branches that the compiler vectorizes: False, and ``out`` untouched, where one is not (a NaN or an
     infinity on either side, or a square that overflows, makes a sum non-finite), and ``_chunk`` must run.
@@ -145,9 +176,12 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, start, stop, out):
     arrays are sliced to the chunk first: indices from 0 need no negative-index test, which kept the
     compiler from vectorizing the loop."""
     judged = bound.shape[0] > 0
+    tiny = _float(np.int64(emin) << 52)
     y, r, bits = y[start:stop], r[start:stop], bits[start:stop]
     if step:
         bound = bound[start:stop]
+    if ostep:
+        other = other[start:stop]
     sum_d2 = sum_r2 = 0.0
     max_abs = max_ulp = max_ulp_nonzero = used = zero = 0  # the maxima as the bits of non-negative floats
     for i in range(r.shape[0]):
@@ -164,7 +198,7 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, start, stop, out):
         k = k if b != 0.0 else 0
         max_ulp_nonzero = k if k > max_ulp_nonzero else max_ulp_nonzero
         if judged:
-            q = abs(d / bound[i * step])  # 0/0 (exact where the bound is 0) is NaN: never the max
+            q = abs(d / _bound_at(bound[i * step], other[i * ostep], bits[i], scale, alpha, op, tiny))  # 0/0: NaN
             k = _bits(q) if q == q else 0
             used = k if k > used else used
     if not (sum_d2 < _INF and sum_r2 < _INF):
@@ -177,15 +211,17 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, start, stop, out):
 
 
 @njit
-def _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound):
-    """The kernel's views of the tensors' memory (which the caller keeps alive). The bound is an array even
-    where there is none (then empty): an optional array inside a parallel loop was sometimes read as None by
+def _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound, other_address, n_other):
+    """The kernel's views of the tensors' memory (which the caller keeps alive), and the steps of the bound and
+    of the other operand. The bound is an array even where there is none (then empty), and so is the other
+    operand (then the bound again): an optional array inside a parallel loop was sometimes read as None by
     numba's worker threads (a budget use of 0 where the serial pass found 2**25)."""
     y = numba.carray(_pointer(y_address), n, y_like.dtype)
     r = numba.carray(_pointer(r_address), n, np.float64)
     bits = numba.carray(_pointer(r_address), n, np.int64)
     bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
-    return y, r, bits, bound
+    other = numba.carray(_pointer(other_address), n_other, np.float64)
+    return y, r, bits, bound, 0 if n_bound == 1 else 1, other, 0 if n_other == 1 else 1
 
 
 @njit
@@ -200,25 +236,29 @@ def _combine(parts):
     return total
 
 
-def _serial_pass(y_address, y_like, table, r_address, bound_address, n, n_bound, emin):
-    y, r, bits, bound = _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound)
-    step = 0 if n_bound == 1 else 1
+def _serial_pass(y_address, y_like, table, r_address, bound_address, n, n_bound, emin, scale, alpha, op, other_address,
+                 n_other):
+    y, r, bits, bound, step, other, ostep = _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound,
+                                                    other_address, n_other)
     parts = np.empty(((n + CHUNK - 1) // CHUNK, FIGURES))
     for c in range(parts.shape[0]):
         start, stop = c * CHUNK, min(n, (c + 1) * CHUNK)
-        if not _finite_chunk(y, table, r, bits, bound, step, emin, start, stop, parts[c]):
-            _chunk(y, table, r, bits, bound, step, emin, start, stop, parts[c])
+        if not _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop,
+                             parts[c]):
+            _chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, parts[c])
     return _combine(parts)
 
 
-def _parallel_pass(y_address, y_like, table, r_address, bound_address, n, n_bound, emin):
-    y, r, bits, bound = _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound)
-    step = 0 if n_bound == 1 else 1
+def _parallel_pass(y_address, y_like, table, r_address, bound_address, n, n_bound, emin, scale, alpha, op, other_address,
+                   n_other):
+    y, r, bits, bound, step, other, ostep = _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound,
+                                                    other_address, n_other)
     parts = np.empty(((n + CHUNK - 1) // CHUNK, FIGURES))
     for c in prange(parts.shape[0]):
         start, stop = c * CHUNK, min(n, (c + 1) * CHUNK)
-        if not _finite_chunk(y, table, r, bits, bound, step, emin, start, stop, parts[c]):
-            _chunk(y, table, r, bits, bound, step, emin, start, stop, parts[c])
+        if not _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop,
+                             parts[c]):
+            _chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, parts[c])
     return _combine(parts)
 
 
@@ -294,48 +334,36 @@ def _parallel_largest(bound_address, n_bound, r_address, n):
     return _largest_of(parts)
 
 
-# what ``magnitude`` writes at element i, by its ``op``
-SUB, DIV, SCALED = 0, 1, 2  # |a - b|, |a / b|, |a| * scale + offset
-
-
-@njit(error_model="numpy")
-def _magnitude_chunk(a, b, out, op, scale, offset, start, stop):
-    """Elements [start, stop) of one of the magnitudes (SUB, DIV, SCALED): each a loop of its own, which the
-    compiler vectorizes; every operation rounds once as torch's does, none is fused into another."""
-    a, b, out = a[start:stop], b[start:stop], out[start:stop]
-    if op == SUB:
-        for i in range(out.shape[0]):
-            out[i] = abs(a[i] - b[i])
-    elif op == DIV:
-        for i in range(out.shape[0]):
-            out[i] = abs(a[i] / b[i])
-    else:
-        for i in range(out.shape[0]):
-            out[i] = abs(a[i]) * scale + offset
+@njit
+def _magnitude_chunk(a, out, scale, offset, start, stop):
+    """Elements [start, stop) of |a| * scale + offset: a loop the compiler vectorizes; every operation rounds
+    once as torch's does, none is fused into another."""
+    a, out = a[start:stop], out[start:stop]
+    for i in range(out.shape[0]):
+        out[i] = abs(a[i]) * scale + offset
 
 
 @njit
-def _magnitude_arrays(a_address, b_address, out_address, n):
-    """The magnitudes' views of the tensors' memory."""
-    return (numba.carray(_pointer(a_address), n, np.float64), numba.carray(_pointer(b_address), n, np.float64),
-            numba.carray(_pointer(out_address), n, np.float64))
+def _magnitude_arrays(a_address, out_address, n):
+    """The magnitude's views of the tensors' memory."""
+    return numba.carray(_pointer(a_address), n, np.float64), numba.carray(_pointer(out_address), n, np.float64)
 
 
-def _serial_magnitude(a_address, b_address, out_address, n, op, scale, offset):
-    a, b, out = _magnitude_arrays(a_address, b_address, out_address, n)
+def _serial_magnitude(a_address, out_address, n, scale, offset):
+    a, out = _magnitude_arrays(a_address, out_address, n)
     for c in range((n + CHUNK - 1) // CHUNK):
-        _magnitude_chunk(a, b, out, op, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
+        _magnitude_chunk(a, out, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
 
 
-def _parallel_magnitude(a_address, b_address, out_address, n, op, scale, offset):
-    a, b, out = _magnitude_arrays(a_address, b_address, out_address, n)
+def _parallel_magnitude(a_address, out_address, n, scale, offset):
+    a, out = _magnitude_arrays(a_address, out_address, n)
     for c in prange((n + CHUNK - 1) // CHUNK):
-        _magnitude_chunk(a, b, out, op, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
+        _magnitude_chunk(a, out, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
 
 
 def _compile(cache: bool) -> tuple:
     """The comparison's serial and parallel passes, then the spacing's, the largest quotient's and the
-    magnitudes', compiled at their first call for each input type. Two functions each, not one jitted twice:
+    magnitude's, compiled at their first call for each input type. Two functions each, not one jitted twice:
     numba's cache tells entries apart by function, not by the parallel flag."""
     try:
         return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
@@ -377,21 +405,33 @@ def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: float) -> np.ndarray:
+def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: float, scale: float = 0.0,
+            alpha: float = 1.0, op: str = "", other: torch.Tensor | None = None) -> np.ndarray:
     """The FIGURES of device result ``y`` against reference ``r`` (same shape, real), in units whose spacing
-    floor is ``tiny`` (the dtype's smallest normal); ``bound`` broadcastable to r, or None."""
+    floor is ``tiny`` (the dtype's smallest normal); ``bound`` broadcastable to r, or None. With a ``scale``,
+    ``bound`` is an operand term t (and ``other`` a second operand o, both broadcastable to r) and the bound
+    is max(2**floor(log2|r|), tiny) * scale + alpha * the term ``op`` forms (``TERMS``), formed where r is
+    read (``_bound_at``)."""
     read = _READ.get(y.dtype)
     if read is None:  # another floating dtype (float8): read as float64
         y, read = y.to(torch.float64), _READ[torch.float64]
     y = _on_cpu(y, y.dtype)
     r = _on_cpu(r, torch.float64)
-    if bound is not None:
-        if bound.numel() != 1:  # a bound broadcast along some dimensions is made whole (rare)
-            bound = torch.broadcast_to(bound, r.shape)
-        bound = _on_cpu(bound, torch.float64)
+    bound, other = (None if t is None else _whole(t, r) for t in (bound, other))
+    if other is None:
+        other = r if bound is None else bound
     return _run(0, (y.data_ptr(), read[0], read[1], r.data_ptr(),
                     r.data_ptr() if bound is None else bound.data_ptr(), r.numel(),
-                    0 if bound is None else bound.numel(), _exponent_field(tiny)), r.numel())
+                    0 if bound is None else bound.numel(), _exponent_field(tiny), float(scale), float(alpha),
+                    TERMS[op], other.data_ptr(), other.numel()), r.numel())
+
+
+def _whole(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """A bound or an operand as the pass reads it: one element, or r's shape (broadcast ones made whole: rare),
+    contiguous float64 on the CPU."""
+    if t.numel() != 1:
+        t = torch.broadcast_to(t, r.shape)
+    return _on_cpu(t, torch.float64)
 
 
 SMALL = 64  # elements: up to this many, torch's passes cost less than setting up a kernel call
@@ -423,23 +463,19 @@ def largest_ratio(bound: torch.Tensor, r: torch.Tensor) -> int | None:
     return _run(4, (bound.data_ptr(), bound.numel(), r.data_ptr(), r.numel()), r.numel())
 
 
-def magnitude(op: int, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, scale: float = 1.0,
-              offset: float = 0.0) -> bool:
-    """Magnitude ``op`` into ``out`` in one pass: |a - b| (SUB) or |a / b| (DIV), where torch writes the
-    difference or quotient and then reads it again for its absolute value, or |a| * scale + offset (SCALED, b
-    None), where torch makes three passes. The same values as torch's passes, bit for bit. False, and ``out``
-    untouched, where the pass cannot read the tensors (``readable``, all of one size) or they have at most
-    SMALL elements."""
-    ts = (a, out) if b is None else (a, b, out)
+def magnitude(a: torch.Tensor, out: torch.Tensor, scale: float = 1.0, offset: float = 0.0) -> bool:
+    """|a| * scale + offset into ``out`` in one pass, where torch makes three: the same values, bit for bit.
+    False, and ``out`` untouched, where the pass cannot read the tensors (``readable``, both of one size) or they
+    have at most SMALL elements."""
     n = out.numel()
-    if n <= SMALL or not all(readable(t) and t.numel() == n for t in ts):
+    if n <= SMALL or not all(readable(t) and t.numel() == n for t in (a, out)):
         return False
-    _run(6, (a.data_ptr(), a.data_ptr() if b is None else b.data_ptr(), out.data_ptr(), n, op, scale, offset), n)
+    _run(6, (a.data_ptr(), out.data_ptr(), n, scale, offset), n)
     return True
 
 
 def _run(which: int, args: tuple, n: int):
-    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient, 6: the magnitudes) on
+    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient, 6: the magnitude) on
     ``args``: the parallel one above PARALLEL elements."""
     global _passes
     try:

@@ -517,7 +517,7 @@ class Engine:
         else:
             spot = None
         if budget is not None and budget.ulps is None:  # bounds are built lazily: a rule's failure costs the budget
-            budget = self._guarded(p, budget, lambda: budget.bound)
+            budget = self._guarded(p, budget, lambda: budget.compared)
         compared = []
         for o in outputs.items:
             if isinstance(o.device, torch.Tensor):
@@ -569,13 +569,15 @@ class Engine:
         has_local = isinstance(lo, torch.Tensor)
         bound = None  # budgets in ulps need no tensor: budget_used = max_ulp / ulps
         if budget is not None and o.slot is not None and budget.ulps is None:
-            bounds = budget.bound
+            bounds = budget.compared  # tensors, or formulas the comparison forms where it reads the reference
             bound = bounds[o.slot] if o.slot < len(bounds) else None
         keep, skipped = sh, 0
         if defined is not None and defined.shape == dev.shape and not bool(defined.all()):
             defined = defined.to(sh.device)
             keep = torch.where(defined, sh, self.mirror.upcast(dev))
             skipped = int((~defined).sum())
+            if bound is not None and not isinstance(bound, torch.Tensor):  # a formula: its tensor, to index
+                bound = budget.bound[o.slot]
             dev, sh = dev.detach().to(sh.device)[defined], sh[defined]
             lo = lo[defined] if has_local and lo.shape == defined.shape else lo
             bound = torch.broadcast_to(bound, defined.shape)[defined] if isinstance(bound, torch.Tensor) else bound

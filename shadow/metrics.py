@@ -178,9 +178,11 @@ def _real_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
-def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.Tensor | None = None) -> ErrorStats:
+def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: Any = None) -> ErrorStats:
     """ErrorStats of a device result ``y`` (rounded to ``dtype``) against a float64 reference ``r``;
-    with an error ``bound`` (float64, broadcastable to r), also ``budget_used`` = max(abs / bound).
+    with an error ``bound`` (float64, broadcastable to r), also ``budget_used`` = max(abs / bound). The bound
+    may be a formula instead (``shadow.budgets.core.UlpsPlus``: ulps of the dtype at r plus an operand term),
+    which the fused pass forms where it reads r and the other paths compute as a tensor (the same bits).
 
     >>> compare(torch.tensor([1.0 + 2**-23]), torch.tensor([1.0], dtype=torch.float64), torch.float32).max_ulp
     1.0
@@ -193,6 +195,8 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.T
     # complex results: numpy (the modulus is a pass of its own; rare)
     if n > _TINY and _fused is not None and not complex_ and not on_device:
         return _compare_fused(y, r, dtype, n, bound)
+    if bound is not None and not isinstance(bound, torch.Tensor):  # a formula: its tensor
+        bound = bound.tensor(r)
     if bound is not None and on_device and bound.device != r.device and bound.dim():
         bound = bound.to(r.device)  # a budget rule's CPU tensor (0-d ones mix with any device as they are)
     if bound is not None and bound.shape != r.shape:
@@ -261,12 +265,17 @@ def _finish(stats: ErrorStats, m: float, nd: float, nr: float, ulp_unit_max: flo
     return stats
 
 
-def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
-                   bound: torch.Tensor | None) -> ErrorStats:
+def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int, bound: Any) -> ErrorStats:
     """Real results above the tiny size: every figure from one read of y and r (shadow._fused), where the
     paths below read them nine times."""
     tiny, scale = _consts(dtype)
-    f = _fused.figures(y, r, bound, tiny)
+    if bound is None or isinstance(bound, torch.Tensor):
+        f = _fused.figures(y, r, bound, tiny)
+    elif bound.dtype == _real_dtype(dtype) and not bound.term.is_complex() and \
+            (bound.other is None or not bound.other.is_complex()):  # a formula in the pass's units: formed there
+        f = _fused.figures(y, r, bound.term, tiny, bound.scale, bound.alpha, bound.op, bound.other)
+    else:
+        f = _fused.figures(y, r, bound.tensor(r), tiny)
     stats = ErrorStats(n=n, budget_used=None if bound is None else 0.0,
                        nonfinite_device=int(f[_fused.DEVICE]), nonfinite_reference=int(f[_fused.REFERENCE]),
                        nonfinite_mismatch=int(f[_fused.MISMATCH]), nonfinite_agreed=int(f[_fused.AGREED]))

@@ -454,6 +454,40 @@ def test_no_false_alarms_training_steps(dtype):
     assert not worst.defaults, worst.defaults
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_bounds_formed_in_the_comparison_give_the_figures_of_their_tensors(dtype, monkeypatch):
+    """The optimizer's bounds of ulps plus an operand term (add with alpha, addcmul, addcdiv, lerp) reach the
+    comparison as formulas (``Budget.compared``) that its numba pass forms where it reads the result: every
+    call's budget use and effective bits equal those of the same steps with the bounds written as tensors first
+    (``Budget.bound``), to the last bit, for Adam (for-loop and foreach), SGD and AdamW."""
+    from shadow import _fused, metrics
+
+    if metrics._fused is None:
+        pytest.skip(f"numba unavailable: {metrics.FUSED_UNAVAILABLE}")
+
+    def figures() -> list[tuple]:
+        with _shadowed() as sm:
+            _training_steps(dtype)
+        return [(r.op, r.local.budget_used, r.local.effective_bits) for r in sm.report.records if r.local is not None]
+
+    formed = collections.Counter()
+    run = _fused.figures
+
+    def spy(y, r, bound, tiny, scale=0.0, alpha=1.0, op="", other=None):
+        formed[op] += scale != 0.0
+        return run(y, r, bound, tiny, scale, alpha, op, other)
+
+    monkeypatch.setattr(_fused, "figures", spy)
+    got = figures()
+    with monkeypatch.context() as m:
+        m.setattr(budgets.core.Budget, "compared", property(lambda b: b.bound))
+        want = figures()
+    assert len(got) == len(want) > 100
+    for g, w in zip(got, want):
+        assert g[0] == w[0] and g[1:] == pytest.approx(w[1:], rel=0, abs=0, nan_ok=True), (g, w)
+    assert formed["square"] and formed["sub"] and formed["div"], formed  # Adam's addcmul, lerp and addcdiv
+
+
 # --- detection ---
 def _round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """float32 rounded to ``bits`` stored mantissa bits, ties away from zero: what NVIDIA's cvt.rna.tf32.f32

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shadow import metrics
-from shadow.metrics import ErrorStats, compare, count_flips
+from shadow.metrics import ErrorStats, compare, count_flips, spacing
 
 f64 = torch.float64
 
@@ -226,6 +226,57 @@ def test_fused_pass_equals_the_torch_passes_it_replaced(dtype, monkeypatch):
 
 
 @fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_a_formula_bound_formed_in_the_pass_equals_its_tensor(dtype, monkeypatch):
+    """An ``UlpsPlus`` bound (ulps of the dtype at r plus alpha times an operand term, or its square) formed
+    element by element in the fused pass gives the figures of the same bound written as a tensor first
+    (``UlpsPlus.tensor``), to the last bit: over zero and subnormal references, NaN and infinities on either
+    side, terms of 0, of one element and of r's shape, every way of forming the term (|t|, t * t, |t - o|,
+    |t / o| with division by 0, |t| * |o|), alpha 1 or not, on one thread and two, and on the paths without
+    numba. The tensor is ulps * spacing(r) + (alpha * term), each rounded once."""
+    from shadow.budgets.core import UlpsPlus
+
+    n = 3 * 2**15 + 777
+    y, r = _sample(dtype, n, seed=11, sprinkled=True)
+    g = torch.Generator().manual_seed(2)
+    term = torch.randn(n, dtype=f64, generator=g).abs() * torch.exp2(torch.randint(-30, 4, (n,), generator=g).double())
+    term[::19] = 0.0
+    rd = torch.float32 if dtype == f64 else dtype  # a float64 "device": its own units
+    signed = torch.randn(n, dtype=f64, generator=g)
+    signed[5::23] = 0.0  # |t / 0|: inf, and 0 / 0: NaN (a bound no quotient can exceed)
+    formulas = [UlpsPlus(2.0, term, 1.0, dtype), UlpsPlus(1.0, term, 3 * 2.0**-24, dtype),
+                UlpsPlus(1.5, signed, 0.1, dtype, "square"), UlpsPlus(4.0, torch.tensor(0.25, dtype=f64), 2.0**-8, dtype),
+                UlpsPlus(1.0, torch.zeros(n, dtype=f64), 1.0, dtype), UlpsPlus(2.0, term, 1.0, rd),
+                UlpsPlus(1.0, signed, 2.0**-22, dtype, "abs"), UlpsPlus(1.0, signed, 2.0**-22, dtype, "sub", term),
+                UlpsPlus(1.0, term, 2.0**-22, dtype, "div", signed), UlpsPlus(1.0, signed, 3.0, dtype, "mul", term),
+                UlpsPlus(1.0, signed, 3.0, dtype, "sub", torch.tensor(-0.5, dtype=f64))]
+    by_torch = {"": lambda t, o: t, "abs": lambda t, o: t.abs(), "square": lambda t, o: t * t,
+                "sub": lambda t, o: (t - o).abs(), "div": lambda t, o: (t / o).abs(), "mul": lambda t, o: t.abs() * o.abs()}
+    threads = torch.get_num_threads()
+    for f in formulas:
+        b = f.tensor(r)
+        t = by_torch[f.op](f.term, f.other)
+        want = torch.broadcast_to(spacing(r, f.dtype, f.ulps) + (t if f.alpha == 1.0 else t * f.alpha), r.shape)
+        assert torch.equal(b.view(torch.int64), want.contiguous().view(torch.int64))
+        expected = compare(y, r, dtype, b)
+        assert expected.budget_used > 0
+        try:
+            for k in (1, 2):
+                torch.set_num_threads(k)
+                _assert_same(compare(y, r, dtype, f), expected)
+        finally:
+            torch.set_num_threads(threads)
+        with monkeypatch.context() as m:
+            m.setattr(metrics, "_fused", None)  # as without numba
+            _assert_same(compare(y, r, dtype, f), expected)
+        def head(t):
+            return t if t is None or t.numel() == 1 else t[:40]
+
+        _assert_same(compare(y[:40], r[:40], dtype, UlpsPlus(f.ulps, head(f.term), f.alpha, f.dtype, f.op, head(f.other))),
+                     compare(y[:40], r[:40], dtype, b[:40]))  # the pure-Python path of tiny outputs
+
+
+@fused
 def test_fused_figures_do_not_depend_on_the_thread_count():
     from shadow import _fused
 
@@ -241,7 +292,7 @@ def test_fused_figures_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
     serial, parallel = _fused._passes[:2]
     args = (y.data_ptr(), *_fused._READ[torch.float32], r.data_ptr(), bound.data_ptr(), r.numel(), bound.numel(),
-            _fused._exponent_field(torch.finfo(torch.float32).tiny))
+            _fused._exponent_field(torch.finfo(torch.float32).tiny), 0.0, 1.0, 0, bound.data_ptr(), bound.numel())
     assert runs[0].tolist() == runs[1].tolist() == serial(*args).tolist() == parallel(*args).tolist()
 
 
@@ -294,46 +345,38 @@ def test_spacing_in_one_pass_equals_the_torch_passes(dtype, monkeypatch):
 
 
 @fused
-def test_bound_magnitudes_in_one_pass_equal_the_torch_passes(monkeypatch):
-    """The bounds' |a - b|, |a / b| and |r| * c*u + floor (shadow.budgets.core.magnitude_of) are one numba pass
-    for contiguous float64 CPU tensors: the same values, bit for bit, as torch's two and three passes, over
-    every binade, zeros of both signs, subnormals, infinities, NaN and division by zero, on one thread and two.
-    Tensors the pass cannot read (strided, broadcast, float32, complex, tiny) take torch's passes."""
+def test_a_bounds_magnitude_in_one_pass_equals_the_torch_passes(monkeypatch):
+    """|r| * c*u + floor (shadow.budgets.core.magnitude_of, where the final rounding's bounds start) is one numba
+    pass for contiguous float64 CPU tensors: the same values, bit for bit, as torch's three passes, over every
+    binade, zeros of both signs, subnormals, infinities and NaN, on one thread and two. Tensors the pass cannot
+    read (strided, complex, tiny) take torch's passes."""
     from shadow import _fused
     from shadow.budgets import core
 
     n = 3 * _fused.CHUNK + 11
     g = torch.Generator().manual_seed(5)
-
-    def values():
-        v = torch.randn(n, dtype=f64, generator=g) * torch.exp2(torch.randint(-1074, 1023, (n,), generator=g).double())
-        for k, x in enumerate((0.0, -0.0, math.inf, -math.inf, math.nan, 5e-324)):
-            v[k::17 + 2 * k] = x
-        return v
-
-    a, b = values(), values()
-    calls = [(torch.sub, a, b, 1.0, 0.0), (torch.div, a, b, 1.0, 0.0), (None, a, None, 3 * 2.0**-24, 2.0**-149),
-             (None, b, None, 2.0**-53, 0.0)]
+    a = torch.randn(n, dtype=f64, generator=g) * torch.exp2(torch.randint(-1074, 1023, (n,), generator=g).double())
+    for k, x in enumerate((0.0, -0.0, math.inf, -math.inf, math.nan, 5e-324)):
+        a[k::17 + 2 * k] = x
     threads = torch.get_num_threads()
-    for op, x, y, scale, offset in calls:
+    for scale, offset in ((3 * 2.0**-24, 2.0**-149), (2.0**-53, 0.0)):
         with monkeypatch.context() as m:
             m.setattr(core, "_fused", None)  # as without numba
-            want = core.magnitude_of(op, x, y, torch.empty_like(x), scale, offset)
+            want = core.magnitude_of(a, torch.empty_like(a), scale, offset)
         try:
             for t in (1, 2):
                 torch.set_num_threads(t)
-                got = core.magnitude_of(op, x, y, torch.empty_like(x), scale, offset)
-                assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (op, t)
+                got = core.magnitude_of(a, torch.empty_like(a), scale, offset)
+                assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (scale, t)
         finally:
             torch.set_num_threads(threads)
-    for x, y in [(a[:128].view(2, 64).t(), b[:128].view(64, 2)), (a[:64].view(64, 1), b[:2].view(1, 2)),
-                 (a[:128].float().view(64, 2), b[:128].float().view(64, 2)), (a[:2].view(1, 2), b[:2].view(1, 2))]:
-        out = torch.empty(torch.broadcast_shapes(x.shape, y.shape), dtype=f64)
-        assert not _fused.magnitude(_fused.SUB, x, y, out) or x.shape == out.shape and x.is_contiguous()
-        torch.testing.assert_close(core.magnitude_of(torch.sub, x, y, out), (x - y).abs().to(f64).expand(out.shape),
+    for x in (a[:128].view(2, 64).t(), a[:2]):
+        out = torch.empty(x.shape, dtype=f64)
+        assert not _fused.magnitude(x, out)
+        torch.testing.assert_close(core.magnitude_of(x, out, 0.5, 1.0), x.abs().to(f64) * 0.5 + 1.0,
                                    rtol=0, atol=0, equal_nan=True)
-    z = torch.complex(a[:100], b[:100])
-    torch.testing.assert_close(core.magnitude_of(None, z, None, torch.empty(100, dtype=f64), 0.5, 1.0),
+    z = torch.complex(a[:100], a[100:200])
+    torch.testing.assert_close(core.magnitude_of(z, torch.empty(100, dtype=f64), 0.5, 1.0),
                                z.abs() * 0.5 + 1.0, rtol=0, atol=0, equal_nan=True)
 
 

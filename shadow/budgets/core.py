@@ -124,6 +124,46 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0
 
 
 # --- the record a rule returns ---
+@dataclasses.dataclass(frozen=True, slots=True)
+class UlpsPlus:
+    """A bound of ``ulps`` units in the last place of ``dtype`` at each reference value r plus ``alpha`` times
+    an operand term: spacing(r) * ulps + alpha * term, each operation rounded once, none fused into another.
+    The term is ``term`` itself, or what ``op`` forms from it and ``other``: "abs" |term|, "square" term * term,
+    "sub" |term - other|, "div" |term / other|, "mul" |term| * |other|. ``shadow.metrics.compare`` forms the
+    bound element by element where it reads r (``shadow._fused``), so the bounds of the optimizer's updates
+    (every parameter, every step) are never written out; ``tensor`` computes the same bits with torch's
+    passes for every other reader.
+
+    >>> r = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    >>> b = UlpsPlus(2.0, torch.tensor([0.5, 0.5], dtype=torch.float64), 2.0**-20, torch.float32).tensor(r)
+    >>> b.tolist() == [2 * 2.0**-23 + 2.0**-21, 2 * 2.0**-22 + 2.0**-21]   # 2 ulps at 1 and at 3, plus 2**-21
+    True
+    """
+
+    ulps: float
+    term: torch.Tensor  # float64 (complex where an op's |.| makes it real), broadcastable to r
+    alpha: float
+    dtype: torch.dtype  # real
+    op: str = ""
+    other: torch.Tensor | None = None  # the second operand of "sub", "div" and "mul"
+
+    @property
+    def scale(self) -> float:
+        """The spacing unit's factor: ulps * 2**-p, as ``metrics.spacing`` forms it."""
+        return self.ulps * 2.0 ** -precision_bits(self.dtype)
+
+    def term_tensor(self) -> torch.Tensor:
+        """The term, by torch's passes."""
+        t, o = self.term, self.other
+        return {"": lambda: t, "abs": lambda: t.abs(), "square": lambda: t * t, "sub": lambda: (t - o).abs(),
+                "div": lambda: (t / o).abs(), "mul": lambda: t.abs() * o.abs()}[self.op]()
+
+    def tensor(self, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bound as a tensor of r's shape (into ``out`` where given)."""
+        t = self.term_tensor()
+        return add_into(spacing(r, self.dtype, self.ulps, out=out), t if self.alpha == 1.0 else t * self.alpha)
+
+
 class Budget:
     """The error budget of one op call: a bound per output element and how it was derived.
 
@@ -131,7 +171,9 @@ class Budget:
     "attention", "unbounded", "default"...); ``bound``: one float64 tensor per output (broadcastable to it;
     ``None`` for discrete outputs), computed on first access; ``is_default``: no rule knows this op and the
     bound is a guess of a few ulps; ``ulps``: set when the bound is exactly ``ulps`` units in the last
-    place of the output (``ulps * spacing(|r|)``), so ``budget_used = max_ulp / ulps`` needs no tensor.
+    place of the output (``ulps * spacing(|r|)``), so ``budget_used = max_ulp / ulps`` needs no tensor. A rule
+    may give formulas instead (``of_formulas``, ``UlpsPlus``): ``compared`` hands them to the comparison, which
+    forms the bound where it reads the result, and ``bound`` computes their tensors for every other reader.
 
     >>> r = torch.tensor([1.0, 3.0], dtype=torch.float64)
     >>> b = Budget.in_ulps("elementwise", 2.0, [r], torch.float32)
@@ -139,11 +181,13 @@ class Budget:
     True
     """
 
-    __slots__ = ("_bound", "_dtype", "_make", "_outputs", "_scale_sq", "family", "is_default", "ulps")
+    __slots__ = ("_bound", "_built", "_dtype", "_formulas", "_make", "_outputs", "_scale_sq", "family",
+                 "is_default", "ulps")
 
     def __init__(self, family: str, bound: Sequence[torch.Tensor | None] | Callable[[], Sequence] | None, *,
                  outputs: Sequence[Any], dtype: torch.dtype, is_default: bool = False,
-                 ulps: float | None = None, scale_sq: Any = None):  # float, (scale, acc), or a callable of either
+                 ulps: float | None = None, scale_sq: Any = None,  # float, (scale, acc), or a callable of either
+                 formulas: Callable[[], Sequence[UlpsPlus | torch.Tensor | None]] | None = None):
         self.family = family
         self.is_default = is_default
         self.ulps = ulps
@@ -152,6 +196,33 @@ class Budget:
         self._make = bound if callable(bound) else None
         self._bound = None if callable(bound) else (tuple(bound) if bound is not None else None)
         self._scale_sq = scale_sq
+        self._formulas = formulas
+        self._built = None
+
+    @classmethod
+    def of_formulas(cls, family: str, formulas: Callable[[], Sequence[UlpsPlus | torch.Tensor | None]], *,
+                    outputs: Sequence[Any], dtype: torch.dtype, scratch: Any = None) -> Budget:
+        """A bound given per output as an ``UlpsPlus`` (or a tensor, or None), built on first use: the
+        comparison reads the formulas (``compared``), ``bound`` computes their tensors."""
+        def make() -> list:
+            return [f.tensor(r, out=_empty(scratch, r)) if isinstance(f, UlpsPlus) else f
+                    for f, r in zip(budget.formulas(), outputs)]
+        budget = cls(family, make, outputs=outputs, dtype=dtype, formulas=formulas)
+        return budget
+
+    @property
+    def compared(self) -> tuple[UlpsPlus | torch.Tensor | None, ...]:
+        """Per output what the comparison divides the error by: ``bound``'s tensors, or for a rule that gives
+        formulas, its ``UlpsPlus`` (formed element by element where the comparison reads the reference)."""
+        if self._formulas is None or self._bound is not None:
+            return self.bound
+        return self.formulas()
+
+    def formulas(self) -> tuple[UlpsPlus | torch.Tensor | None, ...]:
+        """The rule's formulas, built once (a rule without formulas must not be asked)."""
+        if self._built is None:
+            self._built = tuple(self._formulas())
+        return self._built
 
     @classmethod
     def in_ulps(cls, family: str, ulps: float, outputs: Sequence[Any], dtype: torch.dtype, *,
@@ -210,6 +281,12 @@ class Budget:
         return f"Budget(family={self.family!r}, is_default={self.is_default}{extra})"
 
 
+def _empty(scratch: Any, r: torch.Tensor) -> torch.Tensor:
+    """A real tensor with r's shape and layout from ``scratch`` (a ``shadow.scratch.Scratch``; None: fresh)."""
+    dtype = r.dtype.to_real() if r.is_complex() else r.dtype
+    return torch.empty_like(r, dtype=dtype) if scratch is None else scratch.empty_like(r, dtype)
+
+
 # --- shared helpers (pure functions of float64 tensors) ---
 def is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
@@ -236,19 +313,11 @@ def add_into(b: torch.Tensor, t: Any, alpha: float = 1.0) -> torch.Tensor:
     return b.add_(t, alpha=alpha)
 
 
-_MAGNITUDES = {None: 2, torch.sub: 0, torch.div: 1}  # op -> _fused's SCALED, SUB, DIV
-
-
-def magnitude_of(op: Callable[..., torch.Tensor] | None, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-                 scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
-    """``out`` (a real temporary of the bound, the shape ``a`` and ``b`` broadcast to) set to |a - b| (``op``
-    torch.sub) or |a / b| (torch.div), or to |a| * scale + offset (``op`` None, ``b`` None): in one numba pass
-    where it reads the tensors (``shadow._fused.magnitude``, the same values bit for bit), else torch's."""
-    if _fused is None or not _fused.magnitude(_MAGNITUDES[op], a, b, out, scale, offset):
-        if op is None:
-            torch.abs(a, out=out).mul_(scale).add_(offset)
-        else:
-            op(a, b, out=out).abs_()
+def magnitude_of(a: torch.Tensor, out: torch.Tensor, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+    """``out`` (a real temporary of the bound, a's shape) set to |a| * scale + offset: in one numba pass where
+    it reads the tensors (``shadow._fused.magnitude``, the same values bit for bit), else torch's three."""
+    if _fused is None or not _fused.magnitude(a, out, scale, offset):
+        torch.abs(a, out=out).mul_(scale).add_(offset)
     return out
 
 
@@ -301,8 +370,7 @@ class BudgetCall:
 
     def empty(self, r: torch.Tensor) -> torch.Tensor:
         """A real tensor with r's shape and layout, for a temporary of the bound (reused memory when large)."""
-        dtype = r.dtype.to_real() if r.is_complex() else r.dtype
-        return torch.empty_like(r, dtype=dtype) if self.scratch is None else self.scratch.empty_like(r, dtype)
+        return _empty(self.scratch, r)
 
     def out(self, i: int = 0) -> torch.Tensor:
         return self.outputs[i]
@@ -313,6 +381,23 @@ class BudgetCall:
     def budget(self, family: str, make: Callable[[], Sequence], scale_sq: Any = None) -> Budget:
         return Budget(family, make, outputs=self.outputs, dtype=self.dtype, scale_sq=scale_sq)
 
+    def ulps_plus(self, family: str, ulps: float, term: Callable[[], Any], alpha: float = 1.0, op: str = "",
+                  other: Any = None) -> Budget:
+        """``ulps`` of the result plus ``alpha`` times a term, as an ``UlpsPlus``: ``term()`` (a tensor
+        broadcastable to the result, or a number), computed on first use, or what ``op`` forms from it and
+        ``other``."""
+        dtype = self.dtype.to_real() if self.dtype.is_complex else self.dtype
+
+        def tensor(v: Any) -> torch.Tensor | None:
+            if v is None or isinstance(v, torch.Tensor):
+                return v
+            return torch.tensor(v, dtype=torch.complex128 if isinstance(v, complex) else torch.float64)
+
+        def formulas() -> list[UlpsPlus]:
+            return [UlpsPlus(ulps, tensor(term()), float(alpha), dtype, op, tensor(other))]
+
+        return Budget.of_formulas(family, formulas, outputs=self.outputs, dtype=self.dtype, scratch=self.scratch)
+
     def floor(self, c: float = 1.0) -> float:
         """c subnormal spacings of the device dtype: the rounding of results below its smallest normal."""
         return c * _subnormal_min(self.dtype)
@@ -320,7 +405,7 @@ class BudgetCall:
     def final(self, r: torch.Tensor, c: float = 1.0) -> torch.Tensor:
         """c roundings of the result to the device dtype: c*u*|r| + c subnormal spacings."""
         # in one temporary: a fresh large tensor costs more in page faults than the arithmetic
-        return magnitude_of(None, r, None, self.empty(r), c * self.u, self.floor(c))
+        return magnitude_of(r, self.empty(r), c * self.u, self.floor(c))
 
     def ulp_bound(self, r: torch.Tensor, n: float) -> torch.Tensor:
         """n units in the last place of the device dtype at each value of r."""

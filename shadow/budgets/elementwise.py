@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..opsets import DATA_MOVEMENT, PARTIAL_WRITES, SELECTION, VIEW_COPIES
-from .core import (Budget, BudgetCall, add_into, is_float, magnitude, overloads, register_budget,
+from .core import (Budget, BudgetCall, is_float, magnitude, overloads, register_budget,
                    register_budget_predicate)
 
 # Data movement and selection: a correct kernel returns its inputs' values exactly; the one rounding it may
@@ -69,14 +69,15 @@ def register_ulps(ops: Iterable, family: str, ulps: float) -> None:
     register_budget(*ops, reads_overwritten=False)(functools.partial(ulps_rule, family=family, ulps=ulps))
 
 
-def with_operand_term(c: BudgetCall, ulps: float, add_term: Callable[[torch.Tensor], torch.Tensor]) -> Budget:
+def with_operand_term(c: BudgetCall, ulps: float, term: Callable[[], Any], alpha: float = 1.0, op: str = "",
+                      other: Any = None) -> Budget:
     """``ulps`` of the result plus a term relative to an operand: what a rounding *before* a cancelling
     add costs (a scaled operand, a Python scalar rounded to the compute type). Reduced-precision kernels
-    may round that intermediate in the device dtype (bf16 add with alpha does), so the term is in u.
-    ``add_term(b)`` adds the term into b, the fresh ulps tensor, and returns the bound: in place by one fused
-    op where it can (the optimizer's add/addcmul/addcdiv/lerp: every parameter, every step), else ``add_into``."""
-    r = c.out()
-    return c.budget("elementwise", lambda: [add_term(c.ulp_bound(r, ulps))])
+    may round that intermediate in the device dtype (bf16 add with alpha does), so the term is in u. The bound
+    is ``alpha`` times the term (``term()``, or what ``op`` forms from it and ``other``: ``UlpsPlus``) added to
+    the ulps (``BudgetCall.ulps_plus``): the comparison forms it where it reads the result, so the optimizer's
+    add/addcmul/addcdiv/lerp (every parameter, every step) write neither a bound nor a term tensor."""
+    return c.ulps_plus("elementwise", ulps, term, alpha, op, other)
 
 
 def _arg0(c: BudgetCall) -> Any:
@@ -108,7 +109,7 @@ _SPECIAL_ABS = 16.0  # special functions near their zeros: an absolute floor of 
 
 
 def operand_term_rule(c: BudgetCall, *, ulps: float, term: Callable[[BudgetCall], Any]) -> Budget:
-    return with_operand_term(c, ulps, lambda b: add_into(b, term(c)))
+    return with_operand_term(c, ulps, lambda: term(c))
 
 
 for _names, _class in ((ARITH, "arith"), (TRANSCENDENTAL, "transcendental")):

@@ -10,12 +10,12 @@ parameter, every step) and the ``_foreach_X`` ops, whose elements go to X's rule
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .core import (Budget, BudgetCall, add_into, budget_for, coefficient, foreach_base, magnitude, magnitude_of,
-                   overloads, register_budget, register_budget_predicate)
+from .core import (Budget, BudgetCall, budget_for, coefficient, foreach_base, magnitude, overloads,
+                   register_budget, register_budget_predicate)
 from .elementwise import ULPS, with_operand_term
 
 ARITH_ULPS = ULPS["arith"]
@@ -28,16 +28,6 @@ def _same(a: Any, b: Any) -> bool:
                       and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
-def _abs_of(c: BudgetCall, op: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|op(a, b)| (a difference, a quotient) for the bound: in reused memory (``c.empty``) where it has the
-    result's shape and is real (a complex operand makes the result complex), else in a fresh tensor."""
-    r = c.out()
-    if not r.is_complex() and torch.broadcast_shapes(a.shape, b.shape) == r.shape:
-        return magnitude_of(op, a, b, c.empty(r))
-    t = op(a, b)
-    return t.abs() if t.is_complex() else t.abs_()
-
-
 @register_budget(*overloads("add", "sub"), reads_overwritten=False)
 def add_budget(c: BudgetCall) -> Budget:
     """a + alpha*b: ulps of the result, plus the rounding of alpha*b (or of a Python scalar b) before the add."""
@@ -45,15 +35,14 @@ def add_budget(c: BudgetCall) -> Budget:
     if isinstance(other, torch.Tensor) and alpha == 1:
         return c.ulps("elementwise", ARITH_ULPS)
     k = 2 * c.u * abs(alpha)
-    return with_operand_term(c, ARITH_ULPS, lambda b: b.add_(magnitude(other), alpha=k))
+    return with_operand_term(c, ARITH_ULPS, lambda: other, k, "abs")
 
 
 @register_budget(*overloads("rsub"))
 def rsub_budget(c: BudgetCall) -> Budget:
     """other - alpha*self: as add, with the roles of the operands swapped."""
     self_, other, alpha = c.a["self"], c.a.get("other"), coefficient(c.a.get("alpha"))
-    return with_operand_term(
-        c, ARITH_ULPS, lambda b: add_into(b, 2 * c.u * (magnitude(alpha) * magnitude(self_) + magnitude(other))))
+    return with_operand_term(c, ARITH_ULPS, lambda: 2 * c.u * (magnitude(alpha) * magnitude(self_) + magnitude(other)))
 
 
 @register_budget(*overloads("addcmul"), reads_overwritten=False)
@@ -62,8 +51,8 @@ def addcmul_budget(c: BudgetCall) -> Budget:
     t1, t2 = c.a["tensor1"], c.a["tensor2"]
     k = 3 * c.u * abs(coefficient(c.a["value"]))
     if _same(t1, t2) and not t1.is_complex():  # Adam's g * g: non-negative, no |.| temporaries
-        return with_operand_term(c, ARITH_ULPS, lambda b: b.addcmul_(t1, t1, value=k))
-    return with_operand_term(c, ARITH_ULPS, lambda b: b.addcmul_(magnitude(t1), magnitude(t2), value=k))
+        return with_operand_term(c, ARITH_ULPS, lambda: t1, k, "square")
+    return with_operand_term(c, ARITH_ULPS, lambda: t1, k, "mul", t2)
 
 
 @register_budget(*overloads("addcdiv"), reads_overwritten=False)
@@ -71,7 +60,7 @@ def addcdiv_budget(c: BudgetCall) -> Budget:
     """self + value*t1/t2: the quotient is rounded (twice, value included) before the add."""
     a = c.a
     k = 3 * c.u * abs(coefficient(a["value"]))
-    return with_operand_term(c, ARITH_ULPS, lambda b: b.add_(_abs_of(c, torch.div, a["tensor1"], a["tensor2"]), alpha=k))
+    return with_operand_term(c, ARITH_ULPS, lambda: a["tensor1"], k, "div", a["tensor2"])
 
 
 @register_budget(*overloads("lerp"))
@@ -81,9 +70,9 @@ def lerp_budget(c: BudgetCall) -> Budget:
     w = a["weight"]
     if isinstance(w, torch.Tensor):
         return with_operand_term(
-            c, ARITH_ULPS, lambda b: add_into(b, 3 * c.u * (w.abs() + (1 - w).abs()) * (a["end"] - a["self"]).abs()))
+            c, ARITH_ULPS, lambda: 3 * c.u * (w.abs() + (1 - w).abs()) * (a["end"] - a["self"]).abs())
     k = 3 * c.u * (abs(w) + abs(1 - w))
-    return with_operand_term(c, ARITH_ULPS, lambda b: b.add_(_abs_of(c, torch.sub, a["end"], a["self"]), alpha=k))
+    return with_operand_term(c, ARITH_ULPS, lambda: a["end"], k, "sub", a["self"])
 
 
 # --- foreach ops: each list element under the rule of the op the name says ---
@@ -110,4 +99,5 @@ def foreach_budget(c: BudgetCall) -> Budget:
     return Budget(families.pop() if len(families) == 1 else "foreach", lambda: [b.bound[0] for b in subs],
                   outputs=c.outputs, dtype=c.dtype, is_default=any(b.is_default for b in subs),
                   ulps=ulps.pop() if len(ulps) == 1 else None,
-                  scale_sq=lambda: tuple(map(sum, zip(*(b.scales() for b in subs)))))
+                  scale_sq=lambda: tuple(map(sum, zip(*(b.scales() for b in subs)))),
+                  formulas=lambda: [b.compared[0] for b in subs])
