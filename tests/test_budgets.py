@@ -483,8 +483,11 @@ def test_bounds_formed_in_the_comparison_give_the_figures_of_their_tensors(dtype
         m.setattr(budgets.core.Budget, "compared", property(lambda b: b.bound))
         want = figures()
     assert len(got) == len(want) > 100
+    def same(a, b) -> bool:  # equal, NaN included (None where a call has no budget)
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
     for g, w in zip(got, want):
-        assert g[0] == w[0] and g[1:] == pytest.approx(w[1:], rel=0, abs=0, nan_ok=True), (g, w)
+        assert all(same(a, b) for a, b in zip(g, w)), (g, w)
     assert formed["square"] and formed["sub"] and formed["div"], formed  # Adam's addcmul, lerp and addcdiv
 
 
