@@ -94,7 +94,8 @@ def _inverse_unit(bits, emin):
 
 # error_model="numpy": x/0 is inf and 0/0 NaN, as in torch (numba's default raises ZeroDivisionError)
 # how a bound's operand term is formed from t (and o), by ``budgets.core.UlpsPlus.op``
-TERMS = {"": 0, "abs": 1, "square": 2, "sub": 3, "div": 4, "mul": 5}  # t, |t|, t*t, |t - o|, |t / o|, |t|*|o|
+AS_IS, ABS, SQUARE, SUB, DIV, MUL = range(6)  # t, |t|, t * t, |t - o|, |t / o|, |t| * |o|
+TERMS = {"": AS_IS, "abs": ABS, "square": SQUARE, "sub": SUB, "div": DIV, "mul": MUL}  # UlpsPlus.op -> code
 
 
 @njit(inline="always")
@@ -106,15 +107,15 @@ def _bound_at(t, o, bits_i, scale, alpha, op, tiny):
     if scale == 0.0:
         return t
     u = _float(bits_i & 0x7FF0000000000000)  # 2**floor(log2|r|); an infinity for a non-finite r
-    if op == 1:
+    if op == ABS:
         t = abs(t)
-    elif op == 2:
+    elif op == SQUARE:
         t = t * t
-    elif op == 3:
+    elif op == SUB:
         t = abs(t - o)
-    elif op == 4:
+    elif op == DIV:
         t = abs(t / o)
-    elif op == 5:
+    elif op == MUL:
         t = abs(t) * abs(o)
     return (u if u > tiny else tiny) * scale + (t if alpha == 1.0 else alpha * t)
 

@@ -124,6 +124,11 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0
 
 
 # --- the record a rule returns ---
+_TERMS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {  # UlpsPlus.op -> its term by torch's passes
+    "": lambda t, o: t, "abs": lambda t, o: t.abs(), "square": lambda t, o: t * t,
+    "sub": lambda t, o: (t - o).abs(), "div": lambda t, o: (t / o).abs(), "mul": lambda t, o: t.abs() * o.abs()}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class UlpsPlus:
     """A bound of ``ulps`` units in the last place of ``dtype`` at each reference value r plus ``alpha`` times
@@ -154,9 +159,7 @@ class UlpsPlus:
 
     def term_tensor(self) -> torch.Tensor:
         """The term, by torch's passes."""
-        t, o = self.term, self.other
-        return {"": lambda: t, "abs": lambda: t.abs(), "square": lambda: t * t, "sub": lambda: (t - o).abs(),
-                "div": lambda: (t / o).abs(), "mul": lambda: t.abs() * o.abs()}[self.op]()
+        return _TERMS[self.op](self.term, self.other)
 
     def tensor(self, r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The bound as a tensor of r's shape (into ``out`` where given)."""
