@@ -311,6 +311,31 @@ def test_the_spacing_unit_from_the_exponent_bits_is_the_definitions(dtype):
             bits = np.array([sign << 63 | field << 52 | 12345], np.uint64).view(np.int64)[0]
             got = _fused._inverse_unit(bits, _fused._exponent_field(tiny))
             assert got == want, (field, sign, got, want)
+            if field < 2046:  # the finite chunk's unit: |r| < 2**1023
+                assert _fused._inverse_unit_finite(bits, _fused._exponent_field(tiny)) == want, (field, sign)
+
+
+@fused
+def test_references_near_overflow_take_the_full_loop_and_its_units(monkeypatch):
+    """The finite chunk's unit is wrong for |r| >= 2**1023 (``_inverse_unit_finite``), where r * r overflows
+    its sum and the full loop runs instead: finite references in the top binade (and the one below), among
+    ordinary ones, give the definitions' figures, as without numba."""
+    n = 3 * 2**15
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(n, dtype=f64, generator=g)
+    at = [17, 40000, 70001, 90000]
+    r[at] = torch.tensor([2.0**1023 * 1.25, -1.5 * 2.0**1023, torch.finfo(f64).max, 2.0**1022 * 1.75], dtype=f64)
+    zero = torch.zeros_like(r)
+    y = r.nextafter(zero)  # a float64 device one ulp off, three in the top binade (none a power of two)
+    top = at[:3]
+    for _ in range(2):
+        y[top] = y[top].nextafter(zero[top])
+    got = compare(y, r, f64, None)
+    _assert_same(got, _by_definition(y, r, f64, None))
+    assert got.max_ulp == 3.0  # the top binade's own (a unit of 2**971; 2**-1023 as its inverse)
+    with monkeypatch.context() as m:
+        m.setattr(metrics, "_fused", None)
+        _assert_same(got, compare(y, r, f64, None))
 
 
 @fused
