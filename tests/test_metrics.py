@@ -3,6 +3,7 @@ loop for tiny results, the fused numba pass above; without numba, numpy for smal
 scratch buffers for large ones) with each other and with the definitions computed in plain numpy."""
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -210,6 +211,61 @@ def test_fused_pass_equals_the_definitions(dtype, n, layout, bound_kind):
         assert (got.zero_reference > 0) == sprinkled
         kinds = (got.nonfinite_device, got.nonfinite_reference, got.nonfinite_mismatch, got.nonfinite_agreed)
         assert min(kinds) > 0 if sprinkled else max(kinds) == 0  # the sample meets every kind
+
+
+def _rounded_up_products(count: int, seed: int) -> list[tuple[float, float]]:
+    """(q, b) in [1, 2) whose product rounds up: d = fl(q * b) exceeds q * b, and d / b rounds above q. A test of
+    d against fl(q * b) would pass over such a d; fma(q, b, -d) < 0 does not."""
+    from fractions import Fraction
+
+    rnd, pairs = random.Random(seed), []
+    while len(pairs) < count:
+        q, b = rnd.uniform(1, 2), rnd.uniform(1, 2)
+        d = q * b
+        if Fraction(d) > Fraction(q) * Fraction(b) and d / b > q:
+            pairs.append((q, b))
+    return pairs
+
+
+@fused
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled", "near"])
+def test_the_budget_use_skips_only_quotients_below_the_largest(order):
+    """The pass divides d / bound only in blocks where some quotient may exceed the largest so far
+    (``_fused._finite_chunk``): the budget use equals the largest quotient however the quotients are ordered
+    (every block a new largest, only the first, at random), where a later quotient exceeds the largest by its
+    last bit only, and with one-element bounds and operand terms."""
+    from shadow import _fused
+    from shadow.budgets.core import UlpsPlus
+
+    n = 5 * _fused.BLOCK + 17
+    g = torch.Generator().manual_seed(11)
+    bound = torch.rand(n, dtype=f64, generator=g) + 0.5
+    q = torch.rand(n, dtype=f64, generator=g) * 3
+    if order == "ascending":
+        q = q.sort().values
+    elif order == "descending":
+        q = q.sort(descending=True).values
+    y = q * bound  # against r = 0: d = |y| exactly, a float64 device
+    if order == "near":  # the largest in block 0, then quotients 1 ulp above it in later blocks
+        y.fill_(0.0)
+        pairs = _rounded_up_products(4, seed=3)
+        for j, (qj, bj) in enumerate(pairs):
+            at = (j + 1) * _fused.BLOCK + 5 * j
+            y[j], bound[j] = qj, 1.0  # the first quotient of block 0 is qj itself
+            y[at], bound[at] = qj * bj, bj
+        y[:4] = torch.tensor([qj for qj, _ in pairs], dtype=f64).max()  # block 0's largest: the largest q
+        bound[:4] = 1.0
+    r = torch.zeros(n, dtype=f64)
+    want = float((y.abs() / bound).max())
+    assert compare(y, r, f64, bound).budget_used == want
+    if order == "near":
+        assert want > float(y[:4].max())  # a later block's quotient is the largest, by its last bit
+    # one element: a scalar bound, and a formula whose term and other operand are one element each
+    assert compare(y, r, f64, bound[:1].clone()).budget_used == float((y.abs() / bound[0]).max())
+    tiny = torch.finfo(f64).tiny
+    formula = UlpsPlus(2.0, bound[:1].clone(), 1.0, f64, op="div", other=torch.tensor([3.0], dtype=f64))
+    assert compare(y, r, f64, formula).budget_used == float((y.abs() / formula.tensor(r)).max())
+    assert float(formula.tensor(r).max()) > tiny  # the formula's bound is its term over 3, not the floor
 
 
 @fused
