@@ -9,9 +9,9 @@ do not depend on the thread count. A chunk of finite values takes a branch-free 
 vectorizes (``_finite_chunk``; its sums are split over the vector lanes, so they agree with the index-order
 sums to rounding), the others the full one (``_chunk``). Measured on an Intel Xeon (AVX-512), one thread:
 about 0.6 ns per element for the first (1.0 to 1.2 with a bound, 1.9 when it divided at every element)
-against 2.7 for the same loop unvectorized, and 2 to 8 for the second. Complex results stay on ``compare``'s numpy path. A
-bound of ulps plus an operand term (``budgets.core.UlpsPlus``) is formed in the pass from the term and r's
-bits (``_bound_at``), never written out.
+against 2.7 for the same loop unvectorized, and 2 to 8 for the second. Complex results stay on ``compare``'s
+numpy path. A bound of ulps plus an operand term (``budgets.core.UlpsPlus``) is formed in the pass from the
+term and r's bits (``_bound_at``), never written out.
 
 The pass reads CPU memory: ``compare`` sends it references on the CPU only. A reference on a GPU
 (``ShadowMode(shadow_device=...)``) is compared there with torch ops (``metrics._compare_torch``), and only the
@@ -250,8 +250,8 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other,
             for i in range(m):
                 d, sum_d2, sum_r2, max_abs, max_ulp, max_ulp_nonzero, zero = _finite_at(
                     yb, table, rb, bb, i, emin, sum_d2, sum_r2, max_abs, max_ulp, max_ulp_nonzero, zero)
-                late += 0 if (d == 0.0) | (_fma(used, _bound_at(tb[i], ob[i], bb[i], scale, alpha, op, tiny), -d) > 0.0) \
-                    else 1
+                t = _bound_at(tb[i], ob[i], bb[i], scale, alpha, op, tiny)
+                late += 0 if (d == 0.0) | (_fma(used, t, -d) > 0.0) else 1
             if late:
                 for i in range(m):
                     a = np.float64(yb[i]) if table is None else table[yb[i]]
