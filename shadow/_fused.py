@@ -417,15 +417,64 @@ def _parallel_magnitude(a_address, out_address, n, scale, offset):
         _magnitude_chunk(a, out, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
 
 
+ROW_BLOCKS = 16  # row blocks of the sums of squares: fixed, so that their order never depends on the thread count
+
+
+@njit(error_model="numpy", fastmath={"reassoc"})
+def _squares_block(a, rows, part, start, stop):
+    """Rows [start, stop) of the matrix ``a``: each row's sum of squares into ``rows``, and the sums of their
+    squares down each column into ``part``. One read; the row sums split over the vector lanes."""
+    part[:] = 0.0
+    for i in range(start, stop):
+        s = 0.0
+        for k in range(a.shape[1]):
+            v = a[i, k] * a[i, k]
+            s += v
+            part[k] += v
+        rows[i] = s
+
+
+@njit
+def _squares_arrays(a_address, m, k, rows_address, cols_address):
+    """The sums of squares' views of the tensors' memory, the row block's length, and the blocks' partials."""
+    return (numba.carray(_pointer(a_address), (m, k), np.float64), numba.carray(_pointer(rows_address), m, np.float64),
+            numba.carray(_pointer(cols_address), k, np.float64), (m + ROW_BLOCKS - 1) // ROW_BLOCKS,
+            np.empty((ROW_BLOCKS, k)))
+
+
+@njit
+def _squares_combine(parts, cols):
+    """The blocks' column sums in block order: the same sums whichever thread computed which block."""
+    cols[:] = parts[0]
+    for b in range(1, parts.shape[0]):
+        for k in range(cols.shape[0]):
+            cols[k] += parts[b, k]
+
+
+def _serial_squares(a_address, m, k, rows_address, cols_address):
+    a, rows, cols, step, parts = _squares_arrays(a_address, m, k, rows_address, cols_address)
+    for b in range(ROW_BLOCKS):
+        _squares_block(a, rows, parts[b], min(m, b * step), min(m, (b + 1) * step))
+    _squares_combine(parts, cols)
+
+
+def _parallel_squares(a_address, m, k, rows_address, cols_address):
+    a, rows, cols, step, parts = _squares_arrays(a_address, m, k, rows_address, cols_address)
+    for b in prange(ROW_BLOCKS):
+        _squares_block(a, rows, parts[b], min(m, b * step), min(m, (b + 1) * step))
+    _squares_combine(parts, cols)
+
+
 def _compile(cache: bool) -> tuple:
-    """The comparison's serial and parallel passes, then the spacing's, the largest quotient's and the
-    magnitude's, compiled at their first call for each input type. Two functions each, not one jitted twice:
-    numba's cache tells entries apart by function, not by the parallel flag."""
+    """The comparison's serial and parallel passes, then the spacing's, the largest quotient's, the
+    magnitude's and the sums of squares', compiled at their first call for each input type. Two functions
+    each, not one jitted twice: numba's cache tells entries apart by function, not by the parallel flag."""
     try:
         return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
                 njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing),
                 njit(cache=cache)(_serial_largest), njit(cache=cache, parallel=True)(_parallel_largest),
-                njit(cache=cache)(_serial_magnitude), njit(cache=cache, parallel=True)(_parallel_magnitude))
+                njit(cache=cache)(_serial_magnitude), njit(cache=cache, parallel=True)(_parallel_magnitude),
+                njit(cache=cache)(_serial_squares), njit(cache=cache, parallel=True)(_parallel_squares))
     except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
         return _compile(False)
 
@@ -530,9 +579,26 @@ def magnitude(a: torch.Tensor, out: torch.Tensor, scale: float = 1.0, offset: fl
     return True
 
 
+def squares(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The squares of the matrix ``t`` summed along its rows and down its columns, as t.square().sum(-1,
+    keepdim=True) and t.square().sum(-2, keepdim=True) to rounding: one read, where torch reads t once per sum
+    and squares a strided t into a temporary first (a matmul's bound reads each operand both ways). None where
+    the pass cannot read t (2-D, ``readable`` as it is or transposed) or t has at most SMALL elements."""
+    if t.dim() != 2 or t.numel() <= SMALL:
+        return None
+    by_rows = readable(t)
+    if not by_rows and not readable(t.T):
+        return None
+    a = t if by_rows else t.T  # a contiguous matrix: its row sums are t's along rows where by_rows, else down
+    rows, cols = torch.empty(a.shape[0], dtype=torch.float64), torch.empty(a.shape[1], dtype=torch.float64)
+    _run(8, (a.data_ptr(), a.shape[0], a.shape[1], rows.data_ptr(), cols.data_ptr()), a.numel())
+    along, down = (rows, cols) if by_rows else (cols, rows)
+    return along.unsqueeze(1), down.unsqueeze(0)
+
+
 def _run(which: int, args: tuple, n: int):
-    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient, 6: the magnitude) on
-    ``args``: the parallel one above PARALLEL elements."""
+    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient, 6: the magnitude, 8: the
+    sums of squares) on ``args``: the parallel one above PARALLEL elements."""
     global _passes
     try:
         return _call(_passes[which], _passes[which + 1], args, n)

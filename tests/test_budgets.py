@@ -591,6 +591,45 @@ def test_large_matmul_bound_is_cheap_and_valid():
     assert 1.2 < float(ratio.median()) < 2.0  # about pi/2 looser on Gaussian data
 
 
+@pytest.mark.parametrize("layout", ["A @ B", "A @ W.T", "A.T @ B"])
+def test_large_matmul_bound_and_scale_read_each_operand_once(layout, monkeypatch):
+    """The bound reads each operand's squares summed one way (||a_i||, ||b_j||) and the scale the other (over
+    K): one pass per operand gives both (``_fused.squares``), for operands stored by rows or by columns (W.T
+    in a linear layer's forward), with the bound and the effective bits of torch's four reductions to
+    rounding."""
+    from shadow import _fused, metrics
+    from shadow.budgets import linalg
+
+    if metrics._fused is None:
+        pytest.skip(f"numba unavailable: {metrics.FUSED_UNAVAILABLE}")
+    A, B = (t.double() for t in _mm_case(200, 300, 250, seed=6))
+    if layout == "A @ W.T":
+        B = B.T.contiguous().T
+    elif layout == "A.T @ B":
+        A = A.T.contiguous().T
+    r = A @ B
+    y = (A.float() @ B.float()).double()
+    reads = collections.Counter()
+    run = _fused.squares
+
+    def spy(t):
+        reads[t.data_ptr()] += 1
+        return run(t)
+
+    def bound_and_bits():
+        b = budget_for(aten.mm.default, (A, B), {}, [r], torch.float32)
+        return b.bound[0], b.bits(_err_sq(y, r))
+
+    monkeypatch.setattr(_fused, "squares", spy)
+    bound, bits = bound_and_bits()
+    assert dict(reads) == {A.data_ptr(): 1, B.data_ptr(): 1}
+    with monkeypatch.context() as m:
+        m.setattr(linalg, "_fused", None)  # as without numba: vector_norm, square + sum
+        want_bound, want_bits = bound_and_bits()
+    torch.testing.assert_close(bound, want_bound, rtol=1e-13, atol=0)
+    assert 22.0 < bits <= 23.0 and bits == pytest.approx(want_bits, abs=1e-9)
+
+
 @pytest.mark.parametrize("transposed,groups", [(False, 1), (False, 4), (True, 1), (True, 4)])
 def test_large_conv_bound_is_valid(transposed, groups):
     g = torch.Generator().manual_seed(4)

@@ -462,6 +462,41 @@ def test_a_bounds_magnitude_in_one_pass_equals_the_torch_passes(monkeypatch):
 
 
 @fused
+@pytest.mark.parametrize("shape,by_rows", [((300, 500), True), ((300, 500), False), ((70, 5000), True),
+                                           ((5000, 70), False), ((3, 40), True)])
+def test_sums_of_squares_in_one_pass_are_torchs_to_rounding(shape, by_rows):
+    """A matrix's squares summed along its rows and down its columns in one read (``_fused.squares``, a
+    matmul's bound and scale): torch's sums to the rounding of sums of positive terms, n * 2**-53 relative
+    for n terms; the same bits on one thread and two (fixed row blocks, combined in order); an infinity or a
+    NaN reaches its row's and its column's sums as in torch. Tensors it cannot read give None."""
+    from shadow import _fused
+
+    g = torch.Generator().manual_seed(11)
+    t = torch.randn(shape, dtype=f64, generator=g) * torch.exp2(torch.randint(-30, 30, shape, generator=g).double())
+    t[1, 2], t[2, 4] = math.inf, math.nan
+    if not by_rows:
+        t = t.T.contiguous().T
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(_fused.squares(t))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    for dim, s in zip((-1, -2), got[0]):
+        want = t.square().sum(dim, keepdim=True)
+        assert s.shape == want.shape
+        torch.testing.assert_close(s, want, rtol=t.shape[dim] * 2.0**-53, atol=0, equal_nan=True)
+    assert math.isinf(got[0][0][1, 0]) and math.isinf(got[0][1][0, 2]) and math.isnan(got[0][0][2, 0])
+    big = torch.randn(64, 64, dtype=f64, generator=g)
+    for x in (big[:, ::2], big.float(), big.reshape(4, 16, 64), torch.randn(8, 8, dtype=f64)):
+        assert _fused.squares(x) is None
+
+
+@fused
 @pytest.mark.parametrize("case", ["nan", "overflow", "zero-small", "zero-large"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_finite_chunks_and_the_others_give_the_definitions_figures(case, threads):

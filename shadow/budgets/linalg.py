@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..metrics import _fused
 from ..opsets import CONVOLUTIONS, MATMULS
 from ..plan import OpPlan
 from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, aten, coefficient, gamma, is_float,
@@ -34,24 +35,33 @@ from .elementwise import ULPS
 EXACT_MAGNITUDE_MACS = 1 << 16
 
 
-def _sq_sum(c: BudgetCall, t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
-    """sum of |t|**2 along dim, by the faster way for t's layout: vector_norm reduces a unit-stride dim
-    several times faster than square + sum, and a strided one several times slower (weights seen
+def _sq_sum(c: BudgetCall, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """sum of |t|**2 along dim (keepdim), by the faster way for t's layout: vector_norm reduces a unit-stride
+    dim several times faster than square + sum, and a strided one several times slower (weights seen
     transposed, W.T, are the rule in backward); the squares in one temporary (``c.empty``)."""
     if t.dim() and t.stride(dim) == 1 and not t.is_complex():
-        return torch.linalg.vector_norm(t, dim=dim, keepdim=keepdim).square_()
+        return torch.linalg.vector_norm(t, dim=dim, keepdim=True).square_()
     squares = torch.abs(t, out=c.empty(t)).square_() if t.is_complex() else torch.square(t, out=c.empty(t))
-    return squares.sum(dim, keepdim=keepdim)
+    return squares.sum(dim, keepdim=True)
 
 
-def _mm_magnitude(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, base: Any = 0.0) -> torch.Tensor:
+def _sq_sums(c: BudgetCall, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|t|**2 summed along t's rows and down its columns (dims -1 and -2, keepdim): the bound reads a matmul's
+    operands one way and the scale the other, so both come from one read where the fused pass reads t
+    (``_fused.squares``: a 2-D float64 matrix, by rows or by columns), else from ``_sq_sum``."""
+    both = None if _fused is None else _fused.squares(t)
+    return both if both is not None else (_sq_sum(c, t, -1), _sq_sum(c, t, -2))
+
+
+def _mm_magnitude(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, sums: Callable, scale: float = 1.0,
+                  base: Any = 0.0) -> torch.Tensor:
     """base + scale * (an upper bound of |A| @ |B|), batched on leading dims: exact when small,
-    Cauchy-Schwarz else (one fused pass over the M x N result, in reused memory where it has the result's
-    shape)."""
+    Cauchy-Schwarz else from the operands' sums of squares (``sums(0)``, ``sums(1)``: ``_sq_sums`` of A and
+    B), in one fused pass over the M x N result, in reused memory where it has the result's shape."""
     if A.numel() and B.numel() and A.numel() * B.shape[-1] <= EXACT_MAGNITUDE_MACS:
         return torch.add(base, A.abs() @ B.abs(), alpha=scale)
-    na = _sq_sum(c, A, -1, keepdim=True).sqrt_().mul_(scale)
-    nb = _sq_sum(c, B, -2, keepdim=True).sqrt_()
+    na = sums(0)[0].sqrt().mul_(scale)
+    nb = sums(1)[1].sqrt()
     base = torch.as_tensor(base, dtype=torch.float64)
     r = c.out()
     if torch.broadcast_shapes(base.shape, na.shape, nb.shape) == r.shape:  # c.empty is real for a complex r
@@ -59,10 +69,10 @@ def _mm_magnitude(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, scale: float 
     return torch.addcmul(base, na, nb)
 
 
-def _mm_scale_sq(c: BudgetCall, A: torch.Tensor, B: torch.Tensor) -> float:
+def _mm_scale_sq(sums: Callable) -> float:
     """Two roundings (one per operand) of every product a_ik b_kj: 2 sum_k (sum_i a_ik^2)(sum_j b_kj^2)."""
-    ca = _sq_sum(c, A, -2)  # [..., K]
-    rb = _sq_sum(c, B, -1)  # [..., K]
+    ca = sums(0)[1].squeeze(-2)  # [..., K]
+    rb = sums(1)[0].squeeze(-1)  # [..., K]
     return 2.0 * float(torch.linalg.vecdot(ca, rb).sum())
 
 
@@ -71,18 +81,22 @@ def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: A
     beta, alpha = coefficient(beta), coefficient(alpha)
     use_bias = isinstance(bias, torch.Tensor) and beta != 0
 
+    @functools.cache
+    def sums(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # operand i's, computed once for the bound and the scale
+        return _sq_sums(c, (A, B)[i])
+
     def make():
         g = gamma(K + (2 if use_bias or alpha != 1 else 0), c.ua)
         base = torch.full((), c.floor(), dtype=torch.float64)
         # beta and alpha may be rounded to the device dtype (bf16 addmm does): one u each where they scale
         if use_bias:
             base = base + ((g + (2 * c.u if beta != 1 else 0)) * abs(beta)) * bias.abs()
-        out = _mm_magnitude(c, A, B, (g + (2 * c.u if alpha != 1 else 0)) * abs(alpha), base)
+        out = _mm_magnitude(c, A, B, sums, (g + (2 * c.u if alpha != 1 else 0)) * abs(alpha), base)
         out = out.reshape(r.shape) if out.numel() == r.numel() else out.expand(r.shape)
         return [c.out_rounding(r, out)]
 
     def scale_sq():
-        s, r_sq = _mm_scale_sq(c, A, B) * abs(alpha) ** 2, sumsq(r)
+        s, r_sq = _mm_scale_sq(sums) * abs(alpha) ** 2, sumsq(r)
         acc = accumulation_sq(K, s / 2, r_sq)
         if use_bias:
             # a broadcast repeats every element of bias equally often
@@ -90,8 +104,6 @@ def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: A
         return s + c.out_rounding_sq(r_sq), acc
 
     return c.budget("matmul", make, scale_sq)
-
-
 
 
 def _factors(c: BudgetCall) -> tuple[Any, Any, Any]:
