@@ -10,10 +10,14 @@ benchmarks/RESULTS.md). Every optimizer op on such a parameter upcasts several o
 ``Scratch`` keeps the storages it hands out and hands one out again only when nothing refers to it: the pool
 holds the storage alone, so its use count is 1 exactly when every tensor made from it is gone. Nothing is given
 back by hand: a temporary kept past its op (a spot check's inputs, a budget's) or a shadow the mirror keeps only
-keeps its buffer from being reused. Idle storages are let go, least recently used first, while the pool's
-storages, in use and idle, total more than the most it has had in use at once (``peak``): the pool never holds
-more than its own busiest moment needed, so it moves the process's peak memory little (benchmarks/RESULTS.md),
-and never holds more idle bytes than ``ShadowMode(max_shadow_bytes=...)`` leaves beside the shadows.
+keeps its buffer from being reused. Storages are counted by size class (a power of two: a request takes an
+idle storage of 1 to 2 times its bytes), and idle ones are let go, least recently used first, while their
+class's storages, in use and idle, total more than the most that class has had in use at once: the pool never
+holds more of a size than its own busiest moment for that size needed (``peak`` sums those), so it moves the
+process's peak memory little (benchmarks/RESULTS.md), and never holds more idle bytes than
+``ShadowMode(max_shadow_bytes=...)`` leaves beside the shadows. One budget for all sizes would churn: a step
+whose logits need 49 MB buffers while the optimizer's 294 MB ones sit idle let those go to make room, and
+page-faulted fresh ones in at the optimizer, every step (the LM-shaped benchmark).
 ``ShadowMode.memory()`` reports the idle bytes; the mode's exit lets the pool go.
 """
 
@@ -36,7 +40,12 @@ class Scratch:
     def __init__(self) -> None:
         self._storages: list[torch.UntypedStorage] = []
         self.limit = math.inf  # idle bytes the pool may hold (set_limit)
-        self.peak = 0  # the most bytes its storages have had in use at once
+        self._peaks: dict[int, int] = {}  # size class -> the most bytes its storages have had in use at once
+
+    @property
+    def peak(self) -> int:
+        """The most bytes the pool may hold: each size class's most in use at once, summed."""
+        return sum(self._peaks.values())
 
     @property
     def held(self) -> int:
@@ -52,16 +61,16 @@ class Scratch:
     def set_limit(self, limit: float) -> None:
         """Keep at most ``limit`` idle bytes from now on (the engine sets it before each op call, from
         ``max_shadow_bytes`` and the shadows' bytes). Every op call sets it: without a limit it costs one test
-        (the storages outgrow ``peak`` only as one is handed out or a replay resizes one; the next hand-out
-        trims them)."""
+        (the storages outgrow their class's peak only as one is handed out or a replay resizes one; the next
+        hand-out trims them)."""
         self.limit = limit
         if limit < math.inf and self._storages:
-            self._evict(self.held, self.idle)
+            self._evict()
 
     def clear(self) -> None:
         """Forget every storage (ShadowMode's exit): those still in use live on with their tensors."""
         self._storages.clear()
-        self.peak = 0
+        self._peaks.clear()
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``copy(t, dtype, device)``, in pooled memory when it is a large copy from the CPU to the CPU."""
@@ -103,24 +112,42 @@ class Scratch:
                     and _use_count(s._cdata) == 1:
                 best = i
         s = torch.UntypedStorage(nbytes) if best is None else self._storages.pop(best)
-        held, idle = self.held + s.nbytes(), self.idle  # s counts as in use: its tensor is made next
-        self.peak = max(self.peak, held - idle)
-        self._evict(held, idle)
+        c = _size_class(s.nbytes())
+        held, idle = self._class_bytes(c)
+        self._peaks[c] = max(self._peaks.get(c, 0), held + s.nbytes() - idle)  # s counts as in use: its tensor is next
+        self._evict(s)
         self._storages.append(s)
         return s
 
-    def _evict(self, held: int, idle: int) -> None:
-        """Let idle storages go, least recently used first, until the idle bytes are within the limit and all
-        ``held`` bytes within the peak (``held`` and ``idle``: the pool's figures now)."""
+    def _class_bytes(self, c: int) -> tuple[int, int]:
+        """(held, idle) bytes of the storages of size class c."""
+        sizes = [(s.nbytes(), _use_count(s._cdata) == 1) for s in self._storages if _size_class(s.nbytes()) == c]
+        return sum(n for n, _ in sizes), sum(n for n, idle in sizes if idle)
+
+    def _evict(self, new: torch.UntypedStorage | None = None) -> None:
+        """Let idle storages go, least recently used first, while the idle bytes are above the limit or their size
+        class holds more than its peak (``new``, about to be handed out, counted in its class as in use)."""
+        held = {} if new is None else {_size_class(new.nbytes()): new.nbytes()}
+        idle = 0
+        for s in self._storages:
+            c = _size_class(s.nbytes())
+            held[c] = held.get(c, 0) + s.nbytes()
+            idle += s.nbytes() if _use_count(s._cdata) == 1 else 0
         i = 0
-        while (idle > self.limit or held > self.peak) and i < len(self._storages):
+        while i < len(self._storages):
             s = self._storages[i]
-            if _use_count(s._cdata) == 1:
-                idle -= s.nbytes()
-                held -= s.nbytes()
+            n, c = s.nbytes(), _size_class(s.nbytes())
+            if _use_count(s._cdata) == 1 and (idle > self.limit or held[c] > self._peaks.get(c, 0)):
+                idle -= n
+                held[c] -= n
                 del self._storages[i]
             else:
                 i += 1
+
+
+def _size_class(nbytes: int) -> int:
+    """floor(log2(nbytes)): storages of one class are within 2x of each other."""
+    return nbytes.bit_length() - 1
 
 
 def copy(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -53,7 +53,7 @@ def test_a_buffer_is_reused_only_once_nothing_refers_to_it():
     assert pool.held == 3 * BIG * 8
 
 
-def test_the_pool_holds_at_most_its_peak_and_small_tensors_never():
+def test_the_pool_holds_at_most_each_sizes_peak_and_small_tensors_never():
     pool = Scratch()
     small = torch.randn(1000)
     assert torch.equal(pool.copy(small, f64, CPU), small.double()) and pool.held == 0
@@ -65,15 +65,37 @@ def test_the_pool_holds_at_most_its_peak_and_small_tensors_never():
     assert pool.idle == 2 * BIG * 8  # idle, kept for later calls: the pool had both in use at once
     pool.set_limit(math.inf)
     assert pool.held == 2 * BIG * 8
-    pool.copy(torch.randn(2 * BIG), f64, CPU)  # fits neither: both idle ones go, so as to stay within the peak
-    assert pool.held == pool.peak == 2 * BIG * 8
+    big = pool.copy(torch.randn(4 * BIG), f64, CPU)  # fits neither: another size, whose idle x-sized ones stay
+    assert pool.held == pool.peak == 6 * BIG * 8 and pool.idle == 2 * BIG * 8
+    del big
+    three = [pool.copy(x, f64, CPU) for _ in range(3)]  # two reused, a third new: only x's size grows its peak
+    assert pool.held == pool.peak == 7 * BIG * 8 and pool.idle == 4 * BIG * 8
+    del three
     e = pool.empty_like(torch.empty(BIG, 2, dtype=torch.float32).t(), f64)  # empty_like's layout: transposed
-    assert e.shape == (2, BIG) and e.stride() == (1, 2) and e.dtype == f64 and pool.held == 2 * BIG * 8
+    assert e.shape == (2, BIG) and e.stride() == (1, 2) and e.dtype == f64 and pool.held == 7 * BIG * 8
     pool.set_limit(0)  # a limit on the idle bytes lets go of idle storages only
-    assert pool.held == 2 * BIG * 8
+    assert pool.held == 4 * BIG * 8  # e's, the 4 * BIG storage
     del e
     pool.set_limit(0)
     assert pool.held == 0
+
+
+def test_one_sizes_idle_buffers_are_not_let_go_to_make_room_for_anothers():
+    """A step whose phases need buffers of different sizes (the LM-shaped benchmark's logits, then its
+    optimizer's parameter-sized upcasts) reuses the same storages every step: with one budget for all sizes,
+    each phase let the other's idle buffers go and the next step page-faulted fresh ones in."""
+    pool = Scratch()
+    small, large = torch.randn(BIG), torch.randn(5 * BIG)
+
+    def phase(x: torch.Tensor, n: int) -> set[int]:
+        return {t.data_ptr() for t in [pool.copy(x, f64, CPU) for _ in range(n)]}  # idle again on return
+
+    def step() -> set[int]:
+        return phase(large, 2) | phase(small, 3)
+
+    first = step()
+    assert step() == step() == first and len(first) == 5
+    assert pool.held == pool.peak == 13 * BIG * 8 and pool.idle == pool.held
 
 
 def test_pooled_inputs_give_the_figures_of_plain_ones(monkeypatch):
