@@ -112,27 +112,27 @@ class Scratch:
                     and _use_count(s._cdata) == 1:
                 best = i
         s = torch.UntypedStorage(nbytes) if best is None else self._storages.pop(best)
-        c = _size_class(s.nbytes())
-        held, idle = self._class_bytes(c)
-        self._peaks[c] = max(self._peaks.get(c, 0), held + s.nbytes() - idle)  # s counts as in use: its tensor is next
         self._evict(s)
         self._storages.append(s)
         return s
 
-    def _class_bytes(self, c: int) -> tuple[int, int]:
-        """(held, idle) bytes of the storages of size class c."""
-        sizes = [(s.nbytes(), _use_count(s._cdata) == 1) for s in self._storages if _size_class(s.nbytes()) == c]
-        return sum(n for n, _ in sizes), sum(n for n, idle in sizes if idle)
-
     def _evict(self, new: torch.UntypedStorage | None = None) -> None:
         """Let idle storages go, least recently used first, while the idle bytes are above the limit or their size
-        class holds more than its peak (``new``, about to be handed out, counted in its class as in use)."""
-        held = {} if new is None else {_size_class(new.nbytes()): new.nbytes()}
+        class holds more than its peak. ``new``, about to be handed out, counts as in use, and its class's peak
+        grows to what the class has in use with it."""
+        held: dict[int, int] = {}
+        in_use: dict[int, int] = {}
         idle = 0
-        for s in self._storages:
-            c = _size_class(s.nbytes())
-            held[c] = held.get(c, 0) + s.nbytes()
-            idle += s.nbytes() if _use_count(s._cdata) == 1 else 0
+        for s in self._storages + ([] if new is None else [new]):
+            n, c = s.nbytes(), _size_class(s.nbytes())
+            held[c] = held.get(c, 0) + n
+            if s is new or _use_count(s._cdata) != 1:
+                in_use[c] = in_use.get(c, 0) + n
+            else:
+                idle += n
+        if new is not None:
+            c = _size_class(new.nbytes())
+            self._peaks[c] = max(self._peaks.get(c, 0), in_use[c])
         i = 0
         while i < len(self._storages):
             s = self._storages[i]
