@@ -1,6 +1,7 @@
 """Reused CPU memory for an op call's large float64 tensors: the device's inputs upcast for the local replay,
 the inputs an in-place op overwrites as they were before it, the temporaries of the bounds, and the replays'
-results (``shadow.replay.table.default_rule``), the drift replay's kept as shadows.
+results and those of the bounds that run the op on magnitudes (``shadow.replay.table.pooled_call``), the drift
+replay's kept as shadows.
 
 glibc hands out a fresh CPU tensor above its mmap threshold (32 MB at most) as new pages, which fault in at
 the first write: upcasting 38.6M float32 elements (the LM-shaped model's embedding, its gradient, Adam's

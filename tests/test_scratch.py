@@ -176,6 +176,9 @@ N = MIN_BYTES // 8 // 512 + 8  # rows of 512 float64: a result just above the po
 aten = torch.ops.aten
 
 
+V = MIN_BYTES // 8 // 64 + 8  # rows of an embedding of width 64: a float64 gradient just above the threshold
+
+
 @pytest.mark.parametrize("func, make", [
     (aten.mm.default, lambda: (torch.randn(N, 64, dtype=f64), torch.randn(512, 64, dtype=f64).t())),
     (aten.add.Tensor, lambda: (torch.randn(N, 512, dtype=f64), torch.randn(512, dtype=f64))),
@@ -185,10 +188,21 @@ aten = torch.ops.aten
     (aten._log_softmax.default, lambda: (torch.randn(N, 512, dtype=f64), 1, False)),
     (aten.cat.default, lambda: ([torch.randn(N // 2, 512, dtype=f64), torch.randn(N - N // 2, 512, dtype=f64)],)),
     (aten.where.self, lambda: (torch.rand(N, 512) > 0.5, torch.randn(N, 512, dtype=f64), torch.zeros((), dtype=f64))),
-], ids=["mm", "add", "mul-transposed", "div", "sqrt", "log_softmax", "cat", "where"])
+    # out= arguments named grad_input
+    (aten.threshold_backward.default, lambda: (torch.randn(N, 512, dtype=f64), torch.randn(N, 512, dtype=f64), 0.0)),
+    (aten.nll_loss_backward.default, lambda: (torch.tensor(0.5, dtype=f64), torch.randn(N, 512, dtype=f64),
+                                              torch.randint(0, 512, (N,)), None, 1, -100,
+                                              torch.tensor(3.0, dtype=f64))),
+    (aten._softmax_backward_data.default, lambda: (torch.randn(N, 512, dtype=f64), torch.rand(N, 512, dtype=f64),
+                                                   1, f64)),
+    # no out= kernel of its own: written by a composition (table._WRITERS)
+    (aten.embedding_dense_backward.default, lambda: (torch.randn(2, 96, 64, dtype=f64), _indices(), V, -1, False)),
+    (aten.embedding_dense_backward.default, lambda: (torch.randn(2, 96, 64, dtype=f64), _indices(), V, 7, False)),
+], ids=["mm", "add", "mul-transposed", "div", "sqrt", "log_softmax", "cat", "where", "threshold_backward",
+        "nll_loss_backward", "softmax_backward", "embedding_backward", "embedding_backward-padding"])
 def test_a_large_replay_result_in_pooled_memory_is_the_kernels_own(func, make):
-    """default_rule writes a large CPU result into pooled memory through the op's out= overload: the values, bit
-    for bit, and the strides of the result the kernel allocates itself."""
+    """default_rule writes a large CPU result into pooled memory through the op's out= overload, or a composition
+    for an op without one: the values, bit for bit, and the strides of the result the kernel allocates itself."""
     from shadow.plan import plan_of
     from shadow.replay.table import Replay, default_rule
 
@@ -202,13 +216,36 @@ def test_a_large_replay_result_in_pooled_memory_is_the_kernels_own(func, make):
     assert pool.idle == pool.held  # idle once the result is gone: the next large result reuses it
 
 
-def test_replays_without_an_out_kernel_of_their_own_allocate_as_before():
-    """embedding_dense_backward's out= overload is torchgen's (allocate, then copy): not worth a pooled result."""
+def _indices() -> torch.Tensor:
+    """Indices of a batch of 2 x 96 tokens: repeated ones (their rows sum in index order), the padding index 7
+    among them, and the last row."""
+    idx = torch.randint(0, V, (2, 96))
+    idx[0, :8] = 3
+    idx[1, :4] = 7
+    idx[1, -1] = V - 1
+    return idx
+
+
+def test_embedding_gradients_scaled_by_frequency_allocate_as_before():
+    """embedding_dense_backward's composition leaves scale_grad_by_freq to the kernel (1 / count per row)."""
     from shadow.plan import plan_of
     from shadow.replay.table import Replay, default_rule
 
     func = aten.embedding_dense_backward.default
-    args = (torch.randn(64, 512, dtype=f64), torch.randint(0, N, (64,)), N, -1, False)
+    args = (torch.randn(2, 96, 64, dtype=f64), _indices(), V, -1, True)
+    pool = Scratch()
+    expected = func(*args)
+    kind, got = default_rule(Replay(plan_of(func), list(args), {}, expected.float(), scratch=pool))
+    assert torch.equal(got, expected) and pool.idle == pool.held  # the buffer taken is let go unused
+
+
+def test_replays_without_an_out_kernel_of_their_own_allocate_as_before():
+    """roll's out= overload is torchgen's (allocate, then copy): not worth a pooled result."""
+    from shadow.plan import plan_of
+    from shadow.replay.table import Replay, default_rule
+
+    func = aten.roll.default
+    args = (torch.randn(N, 512, dtype=f64), [3], [0])
     pool = Scratch()
     expected = func(*args)
     kind, got = default_rule(Replay(plan_of(func), list(args), {}, expected.float(), scratch=pool))
@@ -223,7 +260,28 @@ def test_an_out_kernel_that_refuses_leaves_the_replay_to_the_kernels_own_result(
     def refusing(*args, **kwargs):
         raise RuntimeError("out= refused")
 
-    monkeypatch.setattr(table, "_out_overload", lambda func: refusing)
+    monkeypatch.setattr(table, "_writer", lambda func: refusing)
     a, b = torch.randn(N, 512, dtype=f64), torch.randn(512, dtype=f64)
     kind, got = default_rule(Replay(plan_of(aten.add.Tensor), [a, b], {}, (a + b).float(), scratch=Scratch()))
     assert kind is table.Kind.REPLAYED and torch.equal(got, a + b)
+
+
+def test_a_bound_that_runs_the_op_on_magnitudes_takes_its_result_from_the_pool(monkeypatch):
+    """The embedding gradient's bound runs the op on |grad| (``BudgetCall.call_with``): the same bound with and
+    without a pool, and the op's result in pooled memory."""
+    from shadow.budgets import budget_for
+    from shadow.replay import table
+
+    func = aten.embedding_dense_backward.default
+    args = (torch.randn(2, 96, 64, dtype=f64), _indices(), V, -1, False)
+    r = func(*args)
+    plain = budget_for(func, args, {}, [r], torch.float32).bound[0]
+    calls = []
+    monkeypatch.setattr(table, "_WRITERS", {func: lambda out, *a: calls.append(out) or
+                                            table._embedding_dense_backward_into(out, *a)})
+    table._writer.cache_clear()
+    try:
+        pooled = budget_for(func, args, {}, [r], torch.float32, scratch=Scratch()).bound[0]
+    finally:
+        table._writer.cache_clear()
+    assert torch.equal(pooled, plain) and len(calls) == 1 and torch.equal(calls[0], func(args[0].abs(), *args[1:]))

@@ -25,6 +25,7 @@ import torch
 
 from ..metrics import _fused, precision_bits, spacing
 from ..plan import OpPlan, plan_of
+from ..replay.table import pooled_call
 from ..rules import RuleTable
 
 aten = torch.ops.aten
@@ -429,15 +430,18 @@ class BudgetCall:
 
     def call_with(self, /, **changes: Any) -> Any:
         """The op itself on changed arguments (|x| for a magnitude); out= variants write fresh buffers,
-        never the caller's (those are the shadow's own outputs)."""
+        never the caller's (those are the shadow's own outputs); a large result in reused memory, as a
+        replay's (``shadow.replay.table.pooled_call``)."""
         a = dict(self.a, **changes)
         schema = self.func._schema.arguments
         for i in self.plan.out_args:
             t = a[schema[i].name]
             if isinstance(t, torch.Tensor):
                 a[schema[i].name] = torch.empty(0, dtype=t.dtype)
-        return self.func(*[a[arg.name] for arg in schema if not arg.kwarg_only],
-                         **{arg.name: a[arg.name] for arg in schema if arg.kwarg_only})
+        r = self.outputs[0] if self.outputs else None
+        return pooled_call(self.plan, [a[arg.name] for arg in schema if not arg.kwarg_only],
+                           {arg.name: a[arg.name] for arg in schema if arg.kwarg_only}, self.scratch,
+                           r.numel() * 8 if isinstance(r, torch.Tensor) else 0)
 
 
 Rule = Callable[[BudgetCall], Any]  # returns a Budget, or NotImplemented to fall through

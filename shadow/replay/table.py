@@ -62,7 +62,9 @@ def default_rule(r: Replay) -> tuple[Kind, Any]:
     """The op's own CPU kernel in float64, else its decomposition; ``Unsupported`` with both reasons."""
     func = r.plan.func
     try:
-        return Kind.REPLAYED, _call(r)
+        d = r.device_out
+        return Kind.REPLAYED, pooled_call(r.plan, r.args, r.kwargs, r.scratch,
+                                          d.numel() * 8 if isinstance(d, torch.Tensor) else 0)
     except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as exc:
         first = exc
     decomp = _decomposition(func)
@@ -77,42 +79,71 @@ def default_rule(r: Replay) -> tuple[Kind, Any]:
     raise Unsupported(r.plan.name, f"{_short(first)}; no decomposition")
 
 
-def _call(r: Replay) -> Any:
-    """``func(*args, **kwargs)``; a large CPU result written by the op's out= overload into memory from
-    ``r.scratch`` (a fresh result of tens of MB costs more in page faults than most kernels take to fill it:
-    ``shadow.scratch``), where the op writes no argument, returns one tensor and has an out= overload with a CPU
-    kernel of its own. The result is the one the kernel would allocate: its shape, strides and dtype are read from
-    the op's meta kernel."""
-    plan, d = r.plan, r.device_out
-    if r.scratch is None or plan.writes or len(plan.returns) != 1 or not isinstance(d, torch.Tensor) \
-            or not r.scratch.pools(d.numel() * 8) or _out_overload(plan.func) is None \
-            or any(t.device.type != "cpu" for _, t in plan.tensors(r.args, r.kwargs)):
-        return plan.func(*r.args, **r.kwargs)
+def pooled_call(plan: OpPlan, args: list, kwargs: dict, scratch: Any, nbytes: int) -> Any:
+    """``plan.func(*args, **kwargs)``; a large CPU result (``nbytes``: its size in float64) written into memory
+    from ``scratch`` (a ``shadow.scratch.Scratch``; a fresh result of tens of MB costs more in page faults than
+    most kernels take to fill it), where the op writes no argument, returns one tensor and has a writer
+    (``_writer``). The result is the one the kernel would allocate: its shape, strides and dtype are read from
+    the op's meta kernel. Replays (``default_rule``) and the bounds that run the op on magnitudes call it."""
+    writer = None if scratch is None or plan.writes or len(plan.returns) != 1 or not scratch.pools(nbytes) \
+        else _writer(plan.func)
+    if writer is None or any(t.device.type != "cpu" for _, t in plan.tensors(args, kwargs)):
+        return plan.func(*args, **kwargs)
     try:
-        a, kw = plan.map_tensors(r.args, r.kwargs, lambda t, _: torch.empty_strided(
+        a, kw = plan.map_tensors(args, kwargs, lambda t, _: torch.empty_strided(
             t.shape, t.stride(), dtype=t.dtype, device="meta"))
         meta = plan.func(*a, **kw)
-        buffer = r.scratch.empty_strided(meta.shape, meta.stride(), meta.dtype)
-        return _out_overload(plan.func)(*r.args, **r.kwargs, out=buffer)
-    except Exception:  # noqa: BLE001 -- no meta kernel, or an out= kernel that refuses: the kernel allocates
-        return plan.func(*r.args, **r.kwargs)
+        return writer(scratch.empty_strided(meta.shape, meta.stride(), meta.dtype), *args, **kwargs)
+    except Exception:  # noqa: BLE001 -- no meta kernel, or a writer that refuses: the kernel allocates
+        return plan.func(*args, **kwargs)
+
+
+@functools.cache
+def _writer(func: torch._ops.OpOverload) -> Callable | None:
+    """``writer(out, *args, **kwargs)``, writing what ``func`` returns into ``out`` with a CPU kernel of its own:
+    the op's out= overload (``_out_overload``), else one of ``_WRITERS``."""
+    o = _out_overload(func)
+    if o is None:
+        return _WRITERS.get(func)
+    name = o._schema.arguments[-1].name
+    return lambda out, *args, **kwargs: o(*args, **kwargs, **{name: out})
 
 
 @functools.cache
 def _out_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """The overload of ``func`` that takes its arguments and writes its one result into ``out=``, where it has a
-    CPU kernel of its own: torchgen's generated out= kernels (CompositeExplicitAutograd) allocate the result and
-    copy it, which would add a copy and save nothing."""
+    """The overload of ``func`` that takes its arguments and writes its one result into an out= argument (``out``;
+    ``grad_input`` for most backward ops), where it has a CPU kernel of its own: torchgen's generated out= kernels
+    (CompositeExplicitAutograd) allocate the result and copy it, which would add a copy and save nothing."""
     schema = func._schema
     names = [a.name for a in schema.arguments]
     packet = func.overloadpacket
     for name in packet.overloads():
         o = getattr(packet, name)
         args = o._schema.arguments
-        if [a.name for a in args] == names + ["out"] and args[-1].is_out \
+        if [a.name for a in args[:-1]] == names and args[-1].is_out \
                 and torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), "CPU"):
             return o
     return None
+
+
+def _embedding_dense_backward_into(out: torch.Tensor, grad_output: torch.Tensor, indices: torch.Tensor,
+                                   num_weights: int, padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
+    """embedding_dense_backward's CPU kernel (ATen's Embedding.cpp) into ``out``: zeros, then each index's
+    gradient row added to its row in index order, the padding row left zero; the same bits. Its out= overload
+    is torchgen's, and the LM-shaped benchmark's embedding gradient (309 MB in float64) is replayed twice and
+    bounded once per step."""
+    if scale_grad_by_freq:
+        raise NotImplementedError("scale_grad_by_freq: the kernel allocates")
+    out.zero_().index_add_(0, indices.reshape(-1), grad_output.reshape(-1, out.shape[-1]))
+    if 0 <= padding_idx < num_weights:
+        out[padding_idx].zero_()
+    return out
+
+
+# ops whose out= overload is torchgen's but whose result a composition writes into given memory, bit for bit
+_WRITERS: dict[torch._ops.OpOverload, Callable] = {
+    torch.ops.aten.embedding_dense_backward.default: _embedding_dense_backward_into,
+}
 
 
 def _short(exc: BaseException) -> str:
