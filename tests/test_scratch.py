@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shadow.scratch as scratch
 from shadow import ShadowMode
@@ -285,3 +286,53 @@ def test_a_bound_that_runs_the_op_on_magnitudes_takes_its_result_from_the_pool(m
     finally:
         table._writer.cache_clear()
     assert torch.equal(pooled, plain) and len(calls) == 1 and torch.equal(calls[0], func(args[0].abs(), *args[1:]))
+
+
+BACKWARDS = {  # a function of a large float64 x whose backward runs kernels that write into out= grad_input
+    "gelu": lambda x: F.gelu(x), "gelu-tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": F.relu, "hardtanh": F.hardtanh,
+    "leaky_relu": F.leaky_relu, "elu": F.elu, "softplus": F.softplus, "logsigmoid": F.logsigmoid,
+    "hardsigmoid": F.hardsigmoid, "glu": lambda x: F.glu(x, -1), "logit": lambda x: torch.logit(x.sigmoid(), 1e-6),
+    "softmax": lambda x: x.softmax(-1), "mse": lambda x: F.mse_loss(x, x.detach().flip(0)),
+    "smooth_l1": lambda x: F.smooth_l1_loss(x, x.detach().flip(0)),
+    "huber": lambda x: F.huber_loss(x, x.detach() * 0.5),
+    "bce": lambda x: F.binary_cross_entropy(x.sigmoid(), x.detach().sigmoid().flip(0)),
+    "nll": lambda x: F.nll_loss(x.log_softmax(-1), torch.arange(x.shape[0]) % x.shape[-1]),
+    "avg_pool2d": lambda x: F.avg_pool2d(x.view(4, 1, -1, 64), 3, 2, 1),
+    "max_pool2d": lambda x: F.max_pool2d(x.view(4, 1, -1, 64), 3, 2, 1),
+    "adaptive_max_pool2d": lambda x: F.adaptive_max_pool2d(x.view(4, 1, -1, 64), (33, 17)),
+    "upsample_nearest2d": lambda x: F.interpolate(x.view(4, 1, -1, 64), scale_factor=(1.0, 2.0)),
+    "reflection_pad2d": lambda x: F.pad(x.view(4, 1, -1, 64), (2, 3, 1, 1), mode="reflect"),
+    "replication_pad2d": lambda x: F.pad(x.view(4, 1, -1, 64), (2, 3, 1, 1), mode="replicate"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BACKWARDS))
+def test_backward_kernels_writing_into_pooled_memory_give_the_devices_bits(name, monkeypatch):
+    """A float64 CPU device: the shadow replays each backward kernel on the device's own values, into pooled memory
+    through its out= grad_input overload; the result is the device's, bit for bit (drift 0)."""
+    from shadow.replay import table
+
+    pooled = set()  # the ops whose result a writer wrote into pooled memory
+    inner = table._writer
+
+    def writer(func):
+        w = inner(func)
+
+        def recording(out, *args, **kwargs):
+            result = w(out, *args, **kwargs)
+            pooled.add(str(func))
+            return result
+
+        return None if w is None else recording
+
+    monkeypatch.setattr(table, "_writer", writer)
+    torch.manual_seed(0)
+    x = torch.randn(MIN_BYTES // 8 // 64 + 64, 64, dtype=f64, requires_grad=True)  # just above the threshold
+    with ShadowMode(spot_checks="off") as sm:
+        y = BACKWARDS[name](x)
+        y.backward(torch.randn_like(y))
+    backward = [r for r in sm.report.records if r.op in pooled and "backward" in r.op]
+    assert backward, (name, pooled)
+    assert all(r.drift.max_abs == 0 and r.drift.n > 0 for r in backward), backward
