@@ -336,3 +336,28 @@ def test_backward_kernels_writing_into_pooled_memory_give_the_devices_bits(name,
     backward = [r for r in sm.report.records if r.op in pooled and "backward" in r.op]
     assert backward, (name, pooled)
     assert all(r.drift.max_abs == 0 and r.drift.n > 0 for r in backward), backward
+
+
+@pytest.mark.parametrize("func, temporaries", [
+    (aten._softmax.default, 2), (aten._log_softmax.default, 1), (aten._log_softmax_backward_data.default, 2),
+], ids=["softmax", "log_softmax", "log_softmax_backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_softmax_bounds_take_their_logits_sized_temporaries_from_the_pool(func, temporaries, dtype):
+    """A language model's logits make softmax's bounds the size of the vocabulary times the tokens: their
+    temporaries come from the pool (``temporaries`` of them in use at once at least), and the bound is the one
+    computed in fresh memory, bit for bit."""
+    from shadow.budgets import budget_for
+
+    torch.manual_seed(0)
+    x = torch.randn(MIN_BYTES // 8 // 4096 + 8, 4096, dtype=f64) * 3  # just above the threshold
+    z = torch.log_softmax(x, -1)
+    g = torch.randn_like(x)
+    args, out = {
+        aten._softmax.default: ((x, -1, False), torch.softmax(x, -1)),
+        aten._log_softmax.default: ((x, -1, False), z),
+        aten._log_softmax_backward_data.default: ((g, z, -1, dtype), aten._log_softmax_backward_data(g, z, -1, f64)),
+    }[func]
+    pool = Scratch()
+    pooled = budget_for(func, args, {}, [out], dtype, scratch=pool).bound[0]
+    assert torch.equal(pooled, budget_for(func, args, {}, [out], dtype).bound[0])
+    assert pool.peak >= temporaries * x.numel() * 8

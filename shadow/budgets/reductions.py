@@ -219,9 +219,9 @@ def softmax_budget(c: BudgetCall) -> Budget:
     n = _softmax_n(c)
     rel = c.ua * (math.log(max(n, 1)) + EXP_ULPS + 2) + gamma(n, c.ua)
     # final(y, 2): the CPU kernels store exp(x - m) in the output dtype, then divide in place: two roundings
-    def make():  # y >= 0: three passes over y
-        b = torch.add(torch.full((), 2 * c.floor(), dtype=torch.float64), y, alpha=rel + 2 * c.u)
-        return [b.add_(torch.special.entr(y), alpha=c.ua)]
+    def make():  # y >= 0: three passes over y, into reused memory where large
+        b = torch.add(torch.full((), 2 * c.floor(), dtype=torch.float64), y, alpha=rel + 2 * c.u, out=c.empty(y))
+        return [b.add_(torch.special.entr(y, out=c.empty(y)), alpha=c.ua)]
 
     # the row sum S of positive terms accumulates as accumulation_sq (K/3 S**2), and every y_i carries
     # S's relative error: sum over outputs of n/3 y**2
@@ -237,10 +237,13 @@ def log_softmax_budget(c: BudgetCall) -> Budget:
     n = _softmax_n(c)
     const = c.ua * (math.log(max(n, 1)) + 2 * EXP_ULPS) + gamma(n, c.ua)
     # ... and may round S itself (>= 1, so log S moves by u): u * (|x_i - z_i| + 2)
-    lse_term = (lambda: c.u * ((x - z).abs() + 2)) if c.u != c.ua else (lambda: 0.0)
-    return c.budget("reduction", lambda: [
-        torch.add(torch.full((), 2 * c.floor() + const, dtype=torch.float64), z.abs(), alpha=2 * c.u + 2 * c.ua) +
-        lse_term()])
+
+    def make():  # into reused memory where large: a fresh tensor the logits' size costs more in page faults
+        b = torch.abs(z, out=c.empty(z))
+        torch.add(torch.full((), 2 * c.floor() + const, dtype=torch.float64), b, alpha=2 * c.u + 2 * c.ua, out=b)
+        return [b.add_(c.u * ((x - z).abs() + 2)) if c.u != c.ua else b]
+
+    return c.budget("reduction", make)
 
 
 @register_budget(*overloads("_softmax_backward_data"))
@@ -259,11 +262,11 @@ def log_softmax_backward_budget(c: BudgetCall) -> Budget:
     g, z, gx = c.a["grad_output"], c.a["output"], c.out()
     n = _softmax_n(c)
 
-    def make():
-        e = z.exp()
+    def make():  # in reused memory where large, as the same operations
         s = g.sum(c.a["dim"], keepdim=True)
-        sa = g.abs().sum(c.a["dim"], keepdim=True)
-        return [c.final(gx) + c.ua * gx.abs() + e * (gamma(n, c.ua) * sa + (EXP_ULPS + 2) * c.ua * s.abs())]
+        sa = torch.abs(g, out=c.empty(g)).sum(c.a["dim"], keepdim=True)
+        b = c.final(gx).add_(torch.abs(gx, out=c.empty(gx)).mul_(c.ua))
+        return [b.add_(torch.exp(z, out=c.empty(z)).mul_(gamma(n, c.ua) * sa + (EXP_ULPS + 2) * c.ua * s.abs()))]
 
     return c.budget("reduction", make)
 
