@@ -196,7 +196,7 @@ V = MIN_BYTES // 8 // 64 + 8  # rows of an embedding of width 64: a float64 grad
                                               torch.tensor(3.0, dtype=f64))),
     (aten._softmax_backward_data.default, lambda: (torch.randn(N, 512, dtype=f64), torch.rand(N, 512, dtype=f64),
                                                    1, f64)),
-    # no out= kernel of its own: written by a composition (table._WRITERS)
+    # no out= kernel of its own: written by a composition (table.WRITERS)
     (aten.embedding_dense_backward.default, lambda: (torch.randn(2, 96, 64, dtype=f64), _indices(), V, -1, False)),
     (aten.embedding_dense_backward.default, lambda: (torch.randn(2, 96, 64, dtype=f64), _indices(), V, 7, False)),
 ], ids=["mm", "add", "mul-transposed", "div", "sqrt", "log_softmax", "cat", "where", "threshold_backward",
@@ -261,30 +261,42 @@ def test_an_out_kernel_that_refuses_leaves_the_replay_to_the_kernels_own_result(
     def refusing(*args, **kwargs):
         raise RuntimeError("out= refused")
 
-    monkeypatch.setattr(table, "_writer", lambda func: refusing)
     a, b = torch.randn(N, 512, dtype=f64), torch.randn(512, dtype=f64)
-    kind, got = default_rule(Replay(plan_of(aten.add.Tensor), [a, b], {}, (a + b).float(), scratch=Scratch()))
+    with table.WRITERS.scoped():
+        table.WRITERS.register(aten.add.Tensor)(refusing)
+        kind, got = default_rule(Replay(plan_of(aten.add.Tensor), [a, b], {}, (a + b).float(), scratch=Scratch()))
     assert kind is table.Kind.REPLAYED and torch.equal(got, a + b)
+
+
+def _written(monkeypatch) -> list:
+    """(op, result) of each call whose result a rule of ``table.WRITERS`` wrote into pooled memory."""
+    from shadow.replay import table
+
+    written = []
+    run_chain = table.run_chain
+
+    def spy(chain, plan, out, args, kwargs):
+        result = run_chain(chain, plan, out, args, kwargs)
+        if result is not NotImplemented:
+            written.append((plan.func, result))
+        return result
+
+    monkeypatch.setattr(table, "run_chain", spy)
+    return written
 
 
 def test_a_bound_that_runs_the_op_on_magnitudes_takes_its_result_from_the_pool(monkeypatch):
     """The embedding gradient's bound runs the op on |grad| (``BudgetCall.call_with``): the same bound with and
     without a pool, and the op's result in pooled memory."""
     from shadow.budgets import budget_for
-    from shadow.replay import table
 
     func = aten.embedding_dense_backward.default
     args = (torch.randn(2, 96, 64, dtype=f64), _indices(), V, -1, False)
     r = func(*args)
     plain = budget_for(func, args, {}, [r], torch.float32).bound[0]
-    calls = []
-    monkeypatch.setattr(table, "_WRITERS", {func: lambda out, *a: calls.append(out) or
-                                            table._embedding_dense_backward_into(out, *a)})
-    table._writer.cache_clear()
-    try:
-        pooled = budget_for(func, args, {}, [r], torch.float32, scratch=Scratch()).bound[0]
-    finally:
-        table._writer.cache_clear()
+    written = _written(monkeypatch)
+    pooled = budget_for(func, args, {}, [r], torch.float32, scratch=Scratch()).bound[0]
+    calls = [result for op, result in written if op is func]
     assert torch.equal(pooled, plain) and len(calls) == 1 and torch.equal(calls[0], func(args[0].abs(), *args[1:]))
 
 
@@ -312,27 +324,13 @@ BACKWARDS = {  # a function of a large float64 x whose backward runs kernels tha
 def test_backward_kernels_writing_into_pooled_memory_give_the_devices_bits(name, monkeypatch):
     """A float64 CPU device: the shadow replays each backward kernel on the device's own values, into pooled memory
     through its out= grad_input overload; the result is the device's, bit for bit (drift 0)."""
-    from shadow.replay import table
-
-    pooled = set()  # the ops whose result a writer wrote into pooled memory
-    inner = table._writer
-
-    def writer(func):
-        w = inner(func)
-
-        def recording(out, *args, **kwargs):
-            result = w(out, *args, **kwargs)
-            pooled.add(str(func))
-            return result
-
-        return None if w is None else recording
-
-    monkeypatch.setattr(table, "_writer", writer)
+    written = _written(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(MIN_BYTES // 8 // 64 + 64, 64, dtype=f64, requires_grad=True)  # just above the threshold
     with ShadowMode(spot_checks="off") as sm:
         y = BACKWARDS[name](x)
         y.backward(torch.randn_like(y))
+    pooled = {str(op) for op, _ in written}  # the ops whose result a writer wrote into pooled memory
     backward = [r for r in sm.report.records if r.op in pooled and "backward" in r.op]
     assert backward, (name, pooled)
     assert all(r.drift.max_abs == 0 and r.drift.n > 0 for r in backward), backward

@@ -3,7 +3,8 @@
 A rule is a pure function of a ``Replay`` (the replay arguments, already float64 CPU shadows, and for
 random ops the device's outputs) and returns ``(Kind, outputs)``, or ``NotImplemented`` to fall through.
 Lookup (``shadow.rules.RuleTable``): the exact op, then predicates on its plan, then ``default_rule``:
-the op's own CPU kernel, else its decomposition.
+the op's own CPU kernel, else its decomposition. ``WRITERS``, a second table, says how an op writes a large
+result into reused memory (``pooled_call``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from ..errors import Unsupported
 from ..plan import OpPlan
 from ..records import Kind
-from ..rules import RuleTable
+from ..rules import RuleTable, run_chain
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,31 +83,26 @@ def default_rule(r: Replay) -> tuple[Kind, Any]:
 def pooled_call(plan: OpPlan, args: list, kwargs: dict, scratch: Any, nbytes: int) -> Any:
     """``plan.func(*args, **kwargs)``; a large CPU result (``nbytes``: its size in float64) written into memory
     from ``scratch`` (a ``shadow.scratch.Scratch``; a fresh result of tens of MB costs more in page faults than
-    most kernels take to fill it), where the op writes no argument, returns one tensor and has a writer
-    (``_writer``). The result is the one the kernel would allocate: its shape, strides and dtype are read from
+    most kernels take to fill it), where the op writes no argument, returns one tensor and has a rule in
+    ``WRITERS``. The result is the one the kernel would allocate: its shape, strides and dtype are read from
     the op's meta kernel. Replays (``default_rule``) and the bounds that run the op on magnitudes call it."""
-    writer = None if scratch is None or plan.writes or len(plan.returns) != 1 or not scratch.pools(nbytes) \
-        else _writer(plan.func)
-    if writer is None or any(t.device.type != "cpu" for _, t in plan.tensors(args, kwargs)):
+    chain = () if scratch is None or plan.writes or len(plan.returns) != 1 or not scratch.pools(nbytes) \
+        else WRITERS.chain(plan.func)
+    if not chain or any(t.device.type != "cpu" for _, t in plan.tensors(args, kwargs)):
         return plan.func(*args, **kwargs)
     try:
         a, kw = plan.map_tensors(args, kwargs, lambda t, _: torch.empty_strided(
             t.shape, t.stride(), dtype=t.dtype, device="meta"))
         meta = plan.func(*a, **kw)
-        return writer(scratch.empty_strided(meta.shape, meta.stride(), meta.dtype), *args, **kwargs)
+        out = run_chain(chain, plan, scratch.empty_strided(meta.shape, meta.stride(), meta.dtype), args, kwargs)
     except Exception:  # noqa: BLE001 -- no meta kernel, or a writer that refuses: the kernel allocates
-        return plan.func(*args, **kwargs)
+        out = NotImplemented
+    return plan.func(*args, **kwargs) if out is NotImplemented else out
 
 
-@functools.cache
-def _writer(func: torch._ops.OpOverload) -> Callable | None:
-    """``writer(out, *args, **kwargs)``, writing what ``func`` returns into ``out`` with a CPU kernel of its own:
-    the op's out= overload (``_out_overload``), else one of ``_WRITERS``."""
-    o = _out_overload(func)
-    if o is None:
-        return _WRITERS.get(func)
-    name = o._schema.arguments[-1].name
-    return lambda out, *args, **kwargs: o(*args, **kwargs, **{name: out})
+WriteRule = Callable[[OpPlan, torch.Tensor, list, dict], Any]  # (plan, out, args, kwargs) -> out, or NotImplemented
+# how an op writes its one result into given memory, bit for bit as its kernel allocates it (``pooled_call``)
+WRITERS: RuleTable[WriteRule] = RuleTable("writer")  # no default: an op without a rule allocates
 
 
 @functools.cache
@@ -126,24 +122,26 @@ def _out_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     return None
 
 
-def _embedding_dense_backward_into(out: torch.Tensor, grad_output: torch.Tensor, indices: torch.Tensor,
-                                   num_weights: int, padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
-    """embedding_dense_backward's CPU kernel (ATen's Embedding.cpp) into ``out``: zeros, then each index's
-    gradient row added to its row in index order, the padding row left zero; the same bits. Its out= overload
-    is torchgen's, and the LM-shaped benchmark's embedding gradient (309 MB in float64) is replayed twice and
-    bounded once per step."""
-    if scale_grad_by_freq:
-        raise NotImplementedError("scale_grad_by_freq: the kernel allocates")
-    out.zero_().index_add_(0, indices.reshape(-1), grad_output.reshape(-1, out.shape[-1]))
+@WRITERS.register_predicate(lambda plan: _out_overload(plan.func) is not None)
+def write_through_out_overload(plan: OpPlan, out: torch.Tensor, args: list, kwargs: dict) -> Any:
+    o = _out_overload(plan.func)
+    return o(*args, **kwargs, **{o._schema.arguments[-1].name: out})
+
+
+@WRITERS.register(torch.ops.aten.embedding_dense_backward.default)
+def write_embedding_dense_backward(plan: OpPlan, out: torch.Tensor, args: list, kwargs: dict) -> Any:
+    """embedding_dense_backward's CPU kernel (ATen's Embedding.cpp): zeros, then each index's gradient row added
+    to its row in index order, the padding row left zero; the same bits. Its out= overload is torchgen's, and the
+    LM-shaped benchmark's embedding gradient (309 MB in float64) is replayed twice and bounded once per step.
+    scale_grad_by_freq is left to the kernel."""
+    if plan.arg(args, kwargs, "scale_grad_by_freq"):
+        return NotImplemented
+    grad, indices = plan.arg(args, kwargs, "grad_output"), plan.arg(args, kwargs, "indices")
+    padding_idx, num_weights = plan.arg(args, kwargs, "padding_idx"), plan.arg(args, kwargs, "num_weights")
+    out.zero_().index_add_(0, indices.reshape(-1), grad.reshape(-1, out.shape[-1]))
     if 0 <= padding_idx < num_weights:
         out[padding_idx].zero_()
     return out
-
-
-# ops whose out= overload is torchgen's but whose result a composition writes into given memory, bit for bit
-_WRITERS: dict[torch._ops.OpOverload, Callable] = {
-    torch.ops.aten.embedding_dense_backward.default: _embedding_dense_backward_into,
-}
 
 
 def _short(exc: BaseException) -> str:
