@@ -226,7 +226,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"per-call records kept in the report (default {DEFAULT_MAX_RECORDS}: ~13 MB); the tables "
                         "and the verdict cover every call regardless")
     p.add_argument("--spot-checks", type=_spot_checks, default="default", metavar="off|default|all|N",
-                   help="mpmath checks of the float64 reference (default: default)")
+                   help="mpmath checks of the float64 reference: default (2 elements of each op's first 16 "
+                        "calls, then of one call in 16), N (N elements of every call), all, or off")
     p.add_argument("--follow", choices=FOLLOW, default="device",
                    help="discrete results downstream (indices, masks): the device's or the shadow's own")
     p.add_argument("--no-local", dest="local", action="store_false", help="skip each op's own error (faster)")

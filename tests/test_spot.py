@@ -18,10 +18,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from shadow import ShadowMode
 from shadow.options import ShadowOptionError
 from shadow.references import estimate_cost_us
-from shadow.spot import (DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, SpotConfig, SpotPolicy, SpotStats,
-                         sample_indices)
+from shadow.spot import (DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, EVERY_CALL_FIRST, THEN_ONE_IN, SpotConfig,
+                         SpotPolicy, SpotStats, drawn, sample_indices)
 
 aten = torch.ops.aten
 f32, f64 = torch.float32, torch.float64
@@ -413,6 +414,55 @@ def test_escalation_is_bounded_by_its_budget():
     pol = SpotPolicy(SpotConfig(escalation_budget_us=10 * cost, escalation_refill_us=0.0))
     counts = [check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples for _ in range(3)]
     assert counts == [DEFAULT_SAMPLES + 10, DEFAULT_SAMPLES, DEFAULT_SAMPLES]
+
+
+def _spot_checked_calls(option, calls=400):
+    """The call numbers (1-based, per op) of aten.exp that ShadowMode spot-checked in a chain of ``calls``."""
+    x = torch.linspace(-1, 1, 8)
+    with ShadowMode(spot_checks=option) as mode:
+        for _ in range(calls):
+            x = torch.exp(x).neg()
+    exps = [r for r in mode.report.records if r.op == "aten.exp.default"]
+    assert len(exps) == calls and mode.report.by_op["aten.exp.default"].spot_checked == \
+        sum(r.spot is not None for r in exps)
+    return [n for n, r in enumerate(exps, 1) if r.spot is not None]
+
+
+def test_default_checks_an_ops_first_calls_then_one_in_sixteen_the_same_in_every_run():
+    checked = _spot_checked_calls("default")
+    assert checked[:EVERY_CALL_FIRST] == list(range(1, EVERY_CALL_FIRST + 1))
+    later = checked[EVERY_CALL_FIRST:]
+    # 384 later calls, each drawn with probability 1/16: 24 expected, 12..40 at over 4 standard deviations
+    assert 12 <= len(later) <= 40, later
+    assert later == [n for n in range(EVERY_CALL_FIRST + 1, 401) if drawn(0, "aten.exp.default", n, THEN_ONE_IN)]
+    assert _spot_checked_calls("default") == checked  # the same calls in every run
+    # a count asks for every call
+    assert _spot_checked_calls(DEFAULT_SAMPLES) == list(range(1, 401))
+    assert _spot_checked_calls({"aten.exp": 1}) == list(range(1, 401))
+
+
+def test_a_risky_call_escalates_the_next_calls_whether_drawn_or_not():
+    name, op = "aten.sum.dim_IntList", aten.sum.dim_IntList
+    benign, cancelling = _data(64, 3), torch.tensor([[1e16, 1.0, -1e16]] * 64)
+    # a drawn call past the every-call ones, followed by an undrawn one: that call cancels
+    risky = next(n for n in range(EVERY_CALL_FIRST + 1, 10_000)
+                 if drawn(0, name, n, THEN_ONE_IN) and not drawn(0, name, n + 1, THEN_ONE_IN))
+    pol = SpotPolicy.from_option("default")
+    wanted, samples = [], []
+    for n in range(1, risky + ESCALATE_CALLS + 41):
+        wanted.append(pol.wants(name))
+        if wanted[-1]:
+            x = cancelling if n == risky else benign
+            s, _ = pol.check(op, [up(x), [1]], {}, [op(x, [1])], [op(up(x), [1])], f32)
+            assert s.trusted == (n != risky)
+            samples.append(s.samples)
+    assert wanted[:EVERY_CALL_FIRST] == [True] * EVERY_CALL_FIRST
+    after = wanted[risky:]  # the calls after the risky one: escalated, then drawn again
+    assert after[:ESCALATE_CALLS] == [True] * ESCALATE_CALLS
+    assert after[ESCALATE_CALLS:] == [drawn(0, name, n, THEN_ONE_IN)
+                                      for n in range(risky + ESCALATE_CALLS + 1, risky + ESCALATE_CALLS + 41)]
+    assert samples[-(ESCALATE_CALLS + 1 + sum(after[ESCALATE_CALLS:])):][:ESCALATE_CALLS + 1] == \
+        [ESCALATED_SAMPLES] * (ESCALATE_CALLS + 1)
 
 
 def test_estimated_costs_follow_the_reduction_length():

@@ -22,14 +22,15 @@ value), float64 reference ``r`` and device result ``y`` (dtype ``d``)::
 for every sampled element: the reference's own error is at most 1% of the device's, and an exactly rounded
 device is measured against half an ulp of its dtype instead. Sampling (``SpotPolicy``): a few elements
 per call, deterministic (seeded by the op, its call number and the output), the most ill-conditioned
-first; escalated where float64's headroom is at risk; cost bounded by estimates, not clocks. Non-finite
+first; by default on each op's first calls, then on one call in ``THEN_ONE_IN`` drawn the same way;
+escalated where float64's headroom is at risk; cost bounded by estimates, not clocks. Non-finite
 cases, float64 devices, escalation and the cost caps: ``docs/spot-checks.md``.
 """
 
-from .policy import (ALL_MAX_ELEMENTS, DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, SpotConfig,
-                     SpotPolicy)
-from .sampling import sample_indices
+from .policy import (ALL_MAX_ELEMENTS, DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, EVERY_CALL_FIRST,
+                     THEN_ONE_IN, SpotConfig, SpotPolicy)
+from .sampling import drawn, sample_indices
 from .verdict import Sample, SpotStats, spot_check
 
-__all__ = ["ALL_MAX_ELEMENTS", "DEFAULT_SAMPLES", "ESCALATE_CALLS", "ESCALATED_SAMPLES", "Sample", "SpotConfig",
-           "SpotPolicy", "SpotStats", "sample_indices", "spot_check"]
+__all__ = ["ALL_MAX_ELEMENTS", "DEFAULT_SAMPLES", "ESCALATE_CALLS", "ESCALATED_SAMPLES", "EVERY_CALL_FIRST", "Sample",
+           "SpotConfig", "SpotPolicy", "SpotStats", "THEN_ONE_IN", "drawn", "sample_indices", "spot_check"]

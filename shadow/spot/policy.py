@@ -15,12 +15,14 @@ import torch
 from ..errors import ShadowOptionError
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Reference, estimate_cost_us, reference_for
-from .sampling import Ranked, sample_indices
+from .sampling import Ranked, drawn, sample_indices
 from .verdict import Sample, SpotStats, spot_check, summarize
 
 DEFAULT_SAMPLES = 2  # elements per output per op call by default: one by priority (when given), one at random
 ESCALATED_SAMPLES = 16  # elements per output of an escalated call
 ESCALATE_CALLS = 4  # later calls of an op that stay escalated after a call showed risk
+EVERY_CALL_FIRST = 16  # spot_checks="default": each op's first calls all get samples ...
+THEN_ONE_IN = 16  # ... then one call in this many, drawn from the seed, the op's name and the call number
 ALL_MAX_ELEMENTS = 4096  # spot_checks="all" checks every element of outputs up to this size
 ELEMENT_CAP_US = 50_000.0  # an element estimated dearer than this is not checked
 CALL_CAP_US = 20_000.0  # a call's default samples stop at this estimated cost
@@ -163,6 +165,11 @@ class SpotPolicy:
     >>> policy.wants("aten.exp.default"), policy.wants("aten.index_add.default")
     (True, False)
 
+    Which calls: every call of an op, except under ``spot_checks="default"``, which samples each op's first
+    ``EVERY_CALL_FIRST`` calls, then one later call in ``THEN_ONE_IN`` (drawn from the seed, the op's name
+    and the call number, so the same calls in every run) and every escalated call. The report counts the
+    calls checked (``OpStats.spot_checked``).
+
     Escalation: an element is *risky* when it is untrusted, or when float64's typical error on it
     (2**-53 times the magnitude of the terms it is formed from, i.e. cancellation times its value)
     times ``RISK_FACTOR`` exceeds the trust tolerance. A risky sample makes the rest of the call and
@@ -208,7 +215,9 @@ class SpotPolicy:
         st = self._state(op_name)
         st.calls += 1
         n = self.config.count_for(op_name)
-        if n == 0 or not self._checkable_name(op_name):
+        if n == 0 or not self._checkable_name(op_name) or (
+                self.config.mode == "default" and st.calls > EVERY_CALL_FIRST and not st.escalate_left
+                and not drawn(self.config.seed, op_name, st.calls, THEN_ONE_IN)):
             st.planned = None
             return False
         st.planned = st.calls

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -39,6 +40,18 @@ def top_positions(priority: torch.Tensor, n: int) -> list[int]:
 
 
 _MASK = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's output function."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _key(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
 class _Stream:
@@ -49,20 +62,30 @@ class _Stream:
     __slots__ = ("_x",)
 
     def __init__(self, key: str):
-        self._x = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+        self._x = _key(key)
 
     def below(self, n: int) -> int:
         """A position in ``[0, n)``: the next draw modulo n (a bias below n / 2**64: none that matters)."""
-        self._x = x = (self._x + 0x9E3779B97F4A7C15) & _MASK
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-        return (x ^ (x >> 31)) % n
+        self._x = x = (self._x + _GAMMA) & _MASK
+        return _mix(x) % n
 
     def shuffle(self, items: list) -> None:
         """Fisher-Yates, in place."""
         for i in range(len(items) - 1, 0, -1):
             j = self.below(i + 1)
             items[i], items[j] = items[j], items[i]
+
+
+@functools.cache
+def _op_key(seed: int, op_name: str) -> int:
+    return _key(f"{seed}:{op_name}")
+
+
+def drawn(seed: int, op_name: str, call: int, one_in: int) -> bool:
+    """Whether call ``call`` of ``op_name`` is one of the calls drawn with probability ``1 / one_in``
+    (SplitMix64's ``call``-th draw from the op's seeded state): the same answer for the same arguments,
+    across processes."""
+    return _mix((_op_key(seed, op_name) + call * _GAMMA) & _MASK) % one_in == 0
 
 
 def sample_indices(
