@@ -9,7 +9,9 @@ For each model (Adam, a training step): the native step, the same step in float6
 and data converted; the CPU, or the GPU with ``--shadow-device cuda`` or "auto" on a GPU with room), and
 shadowed steps with drift only, with drift + local error, + budgets, and the default ``ShadowMode()``. The
 targets compare the shadowed step with what it must at least do: ``drift / (native + f64)`` and
-``default / (native + 2 f64)`` (issue 11: 1.3x and 1.6x).
+``default / (native + 2 f64)`` (issue 11: 1.3x and 1.6x). Every configuration's third step is timed; the
+default one's is timed again after 16 steps, when even an op called once per step is past the calls whose spot
+checks it all samples (``shadow.spot``): what a long run pays per step.
 Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops. Memory: the bytes of live
 shadows over the device bytes they mirror, right after a step.
 """
@@ -29,6 +31,7 @@ import torch.nn as nn
 
 from shadow import ShadowMode
 from shadow.options import Options
+from shadow.spot import EVERY_CALL_FIRST
 
 
 def mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -167,6 +170,7 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
                 last[k] = mode  # its report is read below; the others are dropped as the next starts
     t = {k: statistics.median(v) for k, v in times.items()}
     native, f64, drift, both, budgets, full = (t[k] for k in ("native", "f64", "drift", "both", "budgets", "full"))
+    steady, steady_spot = _steady(configs["full"][0], device, reps, at)
     mem = memory["full"]
     return {
         "model": name,
@@ -179,6 +183,10 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
         "drift_ratio": drift / (native + f64),  # target <= 1.3
         "both_ratio": both / (native + 2 * f64),
         "full_ratio": full / (native + 2 * f64),  # the default ShadowMode(); target <= 1.6
+        # the same once every op is past the calls its spot checks all sample: what a long run pays per step
+        "steady_full_ms": steady * 1e3,
+        "steady_full_ratio": steady / (native + 2 * f64),
+        "steady_spot_in_step": steady_spot,
         "budget_share": (budgets - both) / (both - native),  # budget work over the replay work; target <= 0.25
         "spot_share": (full - budgets) / full,  # default spot checks over the shadowed step; target <= 0.10
         # the same, timed inside the step: the spot checks' own time (less noisy than a difference of steps)
@@ -188,6 +196,23 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
         # the default mode's idle memory kept for later large tensors (shadow.scratch), beside the shadows
         "scratch_ratio": mem["scratch_bytes"] / max(1, mem["device_bytes"]),
     }
+
+
+def _steady(step, device: str, reps: int, at: dict) -> tuple[float, float]:
+    """The default ``ShadowMode()``'s step after ``EVERY_CALL_FIRST`` untimed ones, when every op (one called
+    once per step included) is past the calls whose spot checks it all samples (``shadow.spot``): median
+    seconds of ``reps`` steps, and the median share of the spot checks timed inside them."""
+    _release_memory()
+    mode = ShadowMode(**at)
+    times, shares = [], []
+    with mode, _timing_spot_checks(mode) as spent:
+        for _ in range(EVERY_CALL_FIRST):
+            step()
+        for _ in range(reps):
+            spent.clear()
+            times.append(_once(step, device))
+            shares.append(sum(spent) / times[-1])
+    return statistics.median(times), statistics.median(shares)
 
 
 def _release_memory() -> None:
@@ -333,6 +358,11 @@ def main() -> None:
             f"{'':<30} + budgets {r['budgets_ms']:8.1f} ms ({r['budget_share']:.0%} of the replay work)  "
             f"+ default spot checks {r['full_ms']:8.1f} ms ({r['spot_share']:.0%} of the step; timed inside it: "
             f"{r['spot_in_step']:.0%}): default ShadowMode() {r['full_ratio']:.2f}x of native+2 f64"
+        )
+        print(
+            f"{'':<30} default ShadowMode() after {EVERY_CALL_FIRST} steps {r['steady_full_ms']:8.1f} ms "
+            f"(spot checks timed inside it: {r['steady_spot_in_step']:.0%}): {r['steady_full_ratio']:.2f}x of "
+            "native+2 f64"
         )
     per_op = bench_per_op(args.device, shadow_device=args.shadow_device)
     print(
