@@ -146,7 +146,7 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
     configs.update({k: (_step_fn(copy.deepcopy(model), x), device, o) for k, o in options.items()})
     times: dict[str, list[float]] = {k: [] for k in configs}
     spot_s: list[float] = []  # the default mode's spot checks, in its timed steps
-    last: dict[str, ShadowMode] = {}
+    ops_per_step = 0
     memory: dict[str, dict[str, int]] = {}
     for rnd in range(reps + 1):
         for k, (step, dev, opts) in configs.items():
@@ -166,8 +166,9 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
                 times[k].append(t)
                 if k == "full":
                     spot_s.append(sum(spent) / t)
-            if rnd == reps and mode is not None:
-                last[k] = mode  # its report is read below; the others are dropped as the next starts
+            if rnd == reps and k == "both":
+                ops_per_step = mode.report.coverage.calls // (_UNTIMED + 1)
+    mode = None  # dropped before the steady steps' mode starts
     t = {k: statistics.median(v) for k, v in times.items()}
     native, f64, drift, both, budgets, full = (t[k] for k in ("native", "f64", "drift", "both", "budgets", "full"))
     steady, steady_spot = _steady(configs["full"][0], device, reps, at)
@@ -191,7 +192,7 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
         "spot_share": (full - budgets) / full,  # default spot checks over the shadowed step; target <= 0.10
         # the same, timed inside the step: the spot checks' own time (less noisy than a difference of steps)
         "spot_in_step": statistics.median(spot_s),
-        "ops_per_step": last["both"].report.coverage.calls // (_UNTIMED + 1),
+        "ops_per_step": ops_per_step,
         "memory_ratio": mem["shadow_bytes"] / max(1, mem["device_bytes"]),  # target <= 2.1
         # the default mode's idle memory kept for later large tensors (shadow.scratch), beside the shadows
         "scratch_ratio": mem["scratch_bytes"] / max(1, mem["device_bytes"]),
