@@ -350,6 +350,10 @@ def test_the_sample_stream_is_splitmix64_so_positions_are_the_same_everywhere():
         counts[rng.below(8)] += 1
     assert all(850 <= c <= 1150 for c in counts)  # 1000 each; 4.7 standard deviations either side
     assert sample_indices(0, "op", 1, 0, 5, 5) != list(range(5)) and sorted(sample_indices(0, "op", 1, 0, 5, 5)) == list(range(5))
+    # the calls drawn: call n is drawn when the n-th draw of a stream seeded by the op's key is 0 modulo 16
+    stream = _Stream("0:aten.mm.default")
+    want = [stream.below(16) == 0 for _ in range(400)]
+    assert [drawn(0, "aten.mm.default", n, 16) for n in range(1, 401)] == want and 10 <= sum(want) <= 40
 
 
 def test_highest_priority_elements_are_checked_first():

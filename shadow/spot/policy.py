@@ -168,7 +168,7 @@ class SpotPolicy:
     Which calls: every call of an op, except under ``spot_checks="default"``, which samples each op's first
     ``EVERY_CALL_FIRST`` calls, then one later call in ``THEN_ONE_IN`` (drawn from the seed, the op's name
     and the call number, so the same calls in every run) and every escalated call. The report counts the
-    calls checked (``OpStats.spot_checked``).
+    calls checked (``shadow.report.Aggregate.spot_checked``).
 
     Escalation: an element is *risky* when it is untrusted, or when float64's typical error on it
     (2**-53 times the magnitude of the terms it is formed from, i.e. cancellation times its value)
