@@ -52,6 +52,16 @@ class ArgSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Param:
+    """A schema argument as ``arg`` reads it, read once: the schema's own objects are rebuilt at every access."""
+
+    name: str
+    kwarg_only: bool
+    has_default: bool
+    default: Any  # the schema default (lists are handed out as copies)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReturnSpec:
     tensors: bool  # Tensor[] rather than Tensor
     is_tensor: bool
@@ -90,6 +100,7 @@ class OpPlan:
     op_name: str  # the schema name without namespace and overload: "add_" for aten.add_.Tensor
     base: str  # ... without an in-place op's trailing underscore: "add"
     positions: dict[str, int]  # argument name -> position in the schema
+    params: tuple[Param, ...]  # the schema's arguments, by position
     tensor_args: tuple[ArgSpec, ...]
     remap_args: tuple[ArgSpec, ...]
     returns: tuple[ReturnSpec, ...]
@@ -110,23 +121,25 @@ class OpPlan:
         i = self.positions.get(name)
         if i is None:
             return default
-        a = self.func._schema.arguments[i]
+        a = self.params[i]
         if not a.kwarg_only and i < len(args):
             return args[i]
         if name in kwargs:
             return kwargs[name]
-        return a.default_value if a.has_default_value() else default
+        if not a.has_default:
+            return default
+        return list(a.default) if isinstance(a.default, list) else a.default
 
     def bind(self, args: tuple | list, kwargs: dict) -> dict[str, Any]:
         """Every argument by name: as passed, else its schema default, else None."""
-        return {a.name: self.arg(args, kwargs, a.name) for a in self.func._schema.arguments}
+        return {a.name: self.arg(args, kwargs, a.name) for a in self.params}
 
     def replace(self, args: tuple | list, kwargs: dict, /, **new: Any) -> tuple[list, dict]:
         """Copies of (args, kwargs) with the named arguments replaced (added as keywords if not passed)."""
         args, kwargs = list(args), dict(kwargs)
         for name, v in new.items():
             i = self.positions[name]
-            if not self.func._schema.arguments[i].kwarg_only and i < len(args):
+            if not self.params[i].kwarg_only and i < len(args):
                 args[i] = v
             else:
                 kwargs[name] = v
@@ -203,6 +216,8 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
         op_name=op_name,
         base=op_name[:-1] if op_name.endswith("_") and not op_name.endswith("__") else op_name,
         positions={a.name: i for i, a in enumerate(schema.arguments)},
+        params=tuple(Param(a.name, a.kwarg_only, a.has_default_value(),
+                           a.default_value if a.has_default_value() else None) for a in schema.arguments),
         tensor_args=tensor_args,
         remap_args=tuple(remap_args),
         returns=returns,
@@ -221,6 +236,8 @@ def flat_returns(plan: OpPlan, out: Any) -> list[tuple[ReturnSpec, Any]]:
     """The op's returned values, one per tensor (lists expanded), each with its return spec."""
     if not plan.returns:
         return []
+    if len(plan.returns) == 1 and not plan.returns[0].tensors:  # one value: most ops
+        return [(plan.returns[0], out)]
     values = (out,) if len(plan.returns) == 1 else tuple(out)
     flat = []
     for spec, v in zip(plan.returns, values):
