@@ -268,6 +268,26 @@ def test_the_budget_use_skips_only_quotients_below_the_largest(order):
     assert float(formula.tensor(r).max()) > tiny  # the formula's bound is its term over 3, not the floor
 
 
+@pytest.mark.parametrize("bound_kind", ["none", "tensor", "zeros", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_the_loop_over_tiny_outputs_equals_the_definitions(dtype, bound_kind):
+    """Outputs of at most _TINY elements (scalars, biases, a small layer's optimizer calls) take a Python loop:
+    its figures are the definitions' on every kind of element, chunk by chunk of a sprinkled sample."""
+    y, r = _sample(dtype, 2000, seed=11, sprinkled=True)
+    bound = _bound(bound_kind, r, dtype)
+    seen = set()
+    for i in range(0, 2000 - metrics._TINY + 1, metrics._TINY):
+        part = slice(i, i + metrics._TINY)
+        b = bound[part] if bound is not None and bound.dim() else bound
+        got = compare(y[part], r[part], dtype, b)
+        _assert_same(got, _by_definition(y[part], r[part], dtype, b))
+        seen |= {k for k in ("nonfinite_device", "nonfinite_reference", "nonfinite_mismatch", "nonfinite_agreed",
+                             "zero_reference") if getattr(got, k)}
+        if b is not None and got.max_abs:
+            seen.add("budget")
+    assert len(seen) == 5 + (bound is not None)  # every kind of element met the loop
+
+
 @fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
 def test_fused_pass_equals_the_torch_passes_it_replaced(dtype, monkeypatch):

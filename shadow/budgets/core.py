@@ -33,6 +33,7 @@ OpOverload = torch._ops.OpOverload
 
 
 # --- units ---
+@functools.cache
 def unit_roundoff(dtype: torch.dtype) -> float:
     """u = 2**-(p+1) for a dtype with p stored mantissa bits (the real part's, for complex dtypes).
 
