@@ -356,7 +356,7 @@ class Engine:
         return Args(*plan.map_tensors(ref.args, ref.kwargs, snapshot, skip))
 
     def _shadow_arg(self, p: Prepared, t: torch.Tensor, write: bool, declared: bool) -> torch.Tensor:
-        if t.device.type == "meta":
+        if t.is_meta:
             raise _NoValues
         if t.layout != torch.strided:  # sparse (COO, CSR...) and mkldnn tensors have no strided storage to mirror
             raise Unsupported(p.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
@@ -458,8 +458,8 @@ class Engine:
         written arguments if the op returns nothing."""
         plan = p.plan
         dflat = flat_returns(plan, out)
-        has_returns = any(isinstance(t, torch.Tensor) for _, t in dflat)
-        ret_slot = {id(t): i for i, (_, t) in enumerate(dflat) if isinstance(t, torch.Tensor)}
+        ret_slot = {id(t): i for i, (_, t) in enumerate(dflat) if isinstance(t, torch.Tensor)} if plan.writes else {}
+        has_returns = bool(ret_slot) or any(isinstance(t, torch.Tensor) for _, t in dflat)
         items: list[Output] = []
         w = 0
         for spec in plan.writes:
@@ -535,6 +535,8 @@ class Engine:
         local = merged(c.local for c in compared) if self.opt.local else None
         info = None
         if budget is not None and local is not None:
+            if local is drift:  # one output's stats serving both figures (merged): only the local error gets bits
+                drift = dataclasses.replace(drift)
             if local.norm > 0:
                 local.effective_bits = self._guarded(p, None, lambda: budget.bits(local.norm ** 2,
                                                                                   _reference_sq(compared)))
@@ -709,7 +711,8 @@ class Engine:
         """``result``: the call's first tensor result, when the caller knows it (False: look it up); ``at``:
         (module, phase, call site) when the caller asked for them already."""
         module, phase, site = at if at is not None else self.attr.where(plan.func, args, kwargs, out, self._index)
-        fallback = bool(inputs) and inputs[0].device.type == "privateuseone" and cpu_fallback(plan.func, inputs[0].device)
+        fallback = bool(inputs) and not inputs[0].is_cpu and inputs[0].device.type == "privateuseone" \
+            and cpu_fallback(plan.func, inputs[0].device)
         if result is False:
             result = _first_tensor(plan, args, kwargs, out)
         dtype, shape = ("", ()) if result is None else \

@@ -746,12 +746,12 @@ def _aggregate(d: dict) -> Aggregate:
 
 
 def merged(stats: Iterable[ErrorStats | None]) -> ErrorStats | None:
-    """Merge the stats of several outputs into one (None if there are none)."""
-    out = None
-    for s in stats:
-        if s is None:
-            continue
-        if out is None:
-            out = ErrorStats()
+    """Merge the stats of several outputs into one (None if there are none). The stats of a call with one
+    output are returned as they are, not copied."""
+    present = [s for s in stats if s is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    out = ErrorStats()
+    for s in present:
         out.merge(s)
     return out

@@ -235,7 +235,7 @@ class _StepNames:
 
 def _storage(t: torch.Tensor) -> int | None:
     """A tensor's storage (None: meta, sparse or nested tensors, which have none to name)."""
-    if t.device.type == "meta" or t.layout != torch.strided or t.is_nested:
+    if t.is_meta or t.layout != torch.strided or t.is_nested:
         return None
     return t.untyped_storage()._cdata
 
@@ -285,8 +285,8 @@ class _Callsites:
     def forward(self, out: Any, site: str, index: int) -> None:
         self.bind()
         # weak references: a strong one makes a factory function (torch.ones) detach its result to return it
-        outs = tuple(weakref.ref(t) for t in (out if isinstance(out, (tuple, list)) else (out,))
-                     if isinstance(t, torch.Tensor))
+        outs = (weakref.ref(out),) if isinstance(out, torch.Tensor) else \
+            tuple(weakref.ref(t) for t in out if isinstance(t, torch.Tensor)) if isinstance(out, (tuple, list)) else ()
         self._pending = (outs, site, index) if outs else None
 
     def bind(self) -> None:

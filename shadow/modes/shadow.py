@@ -29,14 +29,17 @@ class _ShadowDispatch(TorchDispatchMode):
         self._engine = engine
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t.__torch_dispatch__ is not _PLAIN for t in types):
-            if any(issubclass(t, FakeTensor) for t in types):  # metadata only (DTensor's sharding propagation)
-                return func(*args, **(kwargs or {}))
-            return NotImplemented  # a wrapper subclass (DTensor) unwraps: its calls on plain tensors come back here
+        if types not in _PLAIN_TYPES:
+            if any(t.__torch_dispatch__ is not _PLAIN for t in types):
+                if any(issubclass(t, FakeTensor) for t in types):  # metadata only (DTensor's sharding propagation)
+                    return func(*args, **(kwargs or {}))
+                return NotImplemented  # a wrapper subclass (DTensor) unwraps: its calls on plain tensors come back
+            _PLAIN_TYPES.add(types)
         return self._engine.dispatch(func, args, kwargs or {})
 
 
 _PLAIN = torch.Tensor.__torch_dispatch__
+_PLAIN_TYPES: set[tuple[type, ...]] = set()  # the types tuples seen with no subclass dispatch of their own
 
 
 class ShadowMode:

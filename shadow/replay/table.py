@@ -88,7 +88,7 @@ def pooled_call(plan: OpPlan, args: list, kwargs: dict, scratch: Any, nbytes: in
     the op's meta kernel. Replays (``default_rule``) and the bounds that run the op on magnitudes call it."""
     chain = () if scratch is None or plan.writes or len(plan.returns) != 1 or not scratch.pools(nbytes) \
         else WRITERS.chain(plan.func)
-    if not chain or any(t.device.type != "cpu" for _, t in plan.tensors(args, kwargs)):
+    if not chain or any(not t.is_cpu for _, t in plan.tensors(args, kwargs)):
         return plan.func(*args, **kwargs)
     try:
         a, kw = plan.map_tensors(args, kwargs, lambda t, _: torch.empty_strided(
