@@ -295,7 +295,8 @@ class Engine:
     def trim_scratch(self) -> None:
         """The pool's idle storages within what ``max_shadow_bytes`` leaves beside the shadows (and its peak)."""
         cap = self.opt.max_shadow_bytes
-        self.scratch.set_limit(math.inf if cap is None else cap - self.mirror.held)
+        if cap is not None:  # without one the limit stays what the pool starts with: none
+            self.scratch.set_limit(cap - self.mirror.held)
 
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:

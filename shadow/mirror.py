@@ -347,7 +347,7 @@ class Mirror:
             and value.dtype == sd
             and not (t.is_conj() or t.is_neg() or value.is_conj() or value.is_neg())  # base holds raw values
         ):
-            base = value.reshape(-1)
+            base = value if value.dim() == 1 else value.reshape(-1)
         else:  # the output does not cover its storage: the rest is what the device holds
             base = _storage_values(t, n).to(device=self.place(t.device), dtype=sd, copy=True)
             _write_region(base, t, value)

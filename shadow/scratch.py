@@ -60,10 +60,9 @@ class Scratch:
         return sum(s.nbytes() for s in self._storages if _use_count(s._cdata) == 1)
 
     def set_limit(self, limit: float) -> None:
-        """Keep at most ``limit`` idle bytes from now on (the engine sets it before each op call, from
-        ``max_shadow_bytes`` and the shadows' bytes). Every op call sets it: without a limit it costs one test
-        (the storages outgrow their class's peak only as one is handed out or a replay resizes one; the next
-        hand-out trims them)."""
+        """Keep at most ``limit`` idle bytes from now on (under ``max_shadow_bytes``, the engine sets it before
+        each op call from the cap and the shadows' bytes; without a cap it stays infinite). The storages outgrow
+        their class's peak only as one is handed out or a replay resizes one; the next hand-out trims them."""
         self.limit = limit
         if limit < math.inf and self._storages:
             self._evict()

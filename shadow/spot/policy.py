@@ -211,6 +211,8 @@ class SpotPolicy:
         """Whether this call of ``op_name`` gets samples (then snapshot the inputs an in-place op
         overwrites, and call ``check``). Deterministic: the op's call count decides, never a clock.
         Ops without a reference rule are never wanted (``check`` still explains them)."""
+        if self.config.mode == "off":  # no call is ever checked: nothing to count
+            return False
         self._budget = min(self.config.escalation_budget_us, self._budget + self.config.escalation_refill_us)
         st = self._state(op_name)
         st.calls += 1
