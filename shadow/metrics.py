@@ -22,6 +22,7 @@ else:
     FUSED_UNAVAILABLE = None
 
 _INF = float("inf")
+_ulp = math.ulp  # a global, not an attribute lookup: the tiny outputs' loop calls it per element
 
 
 @dataclasses.dataclass(slots=True)
@@ -341,9 +342,6 @@ def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int, bl: list | N
     if bl is not None:
         stats.budget_used = used
     return _finish(stats, m, math.sqrt(nd2), math.sqrt(nr2), unit_max, dtype)
-
-
-_ulp = math.ulp
 
 
 _CONSTS: dict[torch.dtype, tuple[float, float]] = {}

@@ -285,8 +285,12 @@ class _Callsites:
     def forward(self, out: Any, site: str, index: int) -> None:
         self.bind()
         # weak references: a strong one makes a factory function (torch.ones) detach its result to return it
-        outs = (weakref.ref(out),) if isinstance(out, torch.Tensor) else \
-            tuple(weakref.ref(t) for t in out if isinstance(t, torch.Tensor)) if isinstance(out, (tuple, list)) else ()
+        if isinstance(out, torch.Tensor):
+            outs = (weakref.ref(out),)
+        elif isinstance(out, (tuple, list)):
+            outs = tuple(weakref.ref(t) for t in out if isinstance(t, torch.Tensor))
+        else:
+            outs = ()
         self._pending = (outs, site, index) if outs else None
 
     def bind(self) -> None:
