@@ -459,8 +459,10 @@ class Engine:
         written arguments if the op returns nothing."""
         plan = p.plan
         dflat = flat_returns(plan, out)
-        ret_slot = {id(t): i for i, (_, t) in enumerate(dflat) if isinstance(t, torch.Tensor)} if plan.writes else {}
-        has_returns = bool(ret_slot) or any(isinstance(t, torch.Tensor) for _, t in dflat)
+        has_returns = any(isinstance(t, torch.Tensor) for _, t in dflat)
+        # a written argument's slot is the return aliasing it: only ops that write look it up
+        ret_slot = {id(t): i for i, (_, t) in enumerate(dflat) if isinstance(t, torch.Tensor)} \
+            if plan.writes and has_returns else {}
         items: list[Output] = []
         w = 0
         for spec in plan.writes:
