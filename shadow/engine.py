@@ -604,10 +604,16 @@ class Engine:
     def _budget(self, p: Prepared, outputs: Outputs) -> Budget | None:
         """The op's error budget from its inputs before the op and the float64 results the local error is
         measured against; None (no budget) where there is nothing to bound or no float results."""
-        refs = {o.slot: o.reference for o in outputs.items if o.slot is not None and isinstance(o.device, torch.Tensor)}
-        if not refs:
+        slots: list = [None] * outputs.slots  # None where an output is absent
+        found = False
+        for o in outputs.items:
+            if o.slot is not None and isinstance(o.device, torch.Tensor):
+                if o.slot >= len(slots):
+                    slots += [None] * (o.slot + 1 - len(slots))
+                slots[o.slot] = o.reference
+                found = True
+        if not found:
             return None
-        slots = [refs.get(i) for i in range(max(outputs.slots, max(refs) + 1))]  # None where an output is absent
         return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype,
                                                          scratch=self.scratch))
 

@@ -51,26 +51,35 @@ class Aggregate:
     dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # calls by result dtype ("torch.bfloat16")
 
     def add(self, rec: Record) -> None:
+        # comparisons where max() would be called (once per op call): the same result, NaNs included
         self.calls += 1
         if rec.dtype:
             self.dtypes[rec.dtype] = self.dtypes.get(rec.dtype, 0) + 1
         self.kinds[rec.kind] = self.kinds.get(rec.kind, 0) + 1
-        if rec.local is not None:
-            self.max_local_ulp = max(self.max_local_ulp, rec.local.max_ulp)
-            self.max_local_ulp_nonzero = max(self.max_local_ulp_nonzero, rec.local.ulp_nonzero)
-            self.zero_reference_calls += rec.local.zero_reference > 0
-            self.max_local_abs = max(self.max_local_abs, rec.local.max_abs)
-        if rec.drift is not None:
-            self.max_drift_rel = max(self.max_drift_rel, rec.drift.rel_norm)
-            self.max_drift_ulp = max(self.max_drift_ulp, rec.drift.max_ulp)
+        local, drift, budget = rec.local, rec.drift, rec.budget
+        if local is not None:
+            if local.max_ulp > self.max_local_ulp:
+                self.max_local_ulp = local.max_ulp
+            v = local.ulp_nonzero
+            if v > self.max_local_ulp_nonzero:
+                self.max_local_ulp_nonzero = v
+            self.zero_reference_calls += local.zero_reference > 0
+            if local.max_abs > self.max_local_abs:
+                self.max_local_abs = local.max_abs
+        if drift is not None:
+            if drift.rel_norm > self.max_drift_rel:
+                self.max_drift_rel = drift.rel_norm
+            if drift.max_ulp > self.max_drift_ulp:
+                self.max_drift_ulp = drift.max_ulp
         self.flips += rec.flips
-        if rec.budget is not None and not rec.budget.is_default:
+        if budget is not None and not budget.is_default:
             self.budgeted_calls += 1
-            self.max_budget_used = max(self.max_budget_used, rec.budget.used)
+            if budget.used > self.max_budget_used:
+                self.max_budget_used = budget.used
             self.over_budget_calls += rec.over_budget
-            bits = rec.local.effective_bits if rec.local is not None else None
-            if bits is not None and not math.isnan(bits):
-                self.min_effective_bits = min(self.min_effective_bits, bits)
+            bits = local.effective_bits if local is not None else None
+            if bits is not None and bits < self.min_effective_bits:  # a NaN compares false: skipped
+                self.min_effective_bits = bits
         if rec.spot is not None and rec.spot.checked:
             self.spot_checked += 1
             self.spot_untrusted += not rec.spot.trusted

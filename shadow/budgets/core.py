@@ -273,12 +273,11 @@ class Budget:
         """:func:`effective_bits` of an observed sum of squared errors under this op's scales.
         ``reference_sq``: (elements, sum r**2) of the one output, all finite, when the comparison summed them
         already: the default scale is then not read again (a pass over the output)."""
-        if self._scale_sq is None and reference_sq is not None:
-            floats = [r for r in self._outputs if is_float(r)]
-            if len(floats) == 1 and floats[0].numel() == reference_sq[0]:
-                self._scale_sq = (reference_sq[1], 0.0)
+        floats = [r for r in self._outputs if is_float(r)]
+        n = sum(r.numel() for r in floats)
+        if self._scale_sq is None and reference_sq is not None and len(floats) == 1 and n == reference_sq[0]:
+            self._scale_sq = (reference_sq[1], 0.0)
         s, acc = self.scales()
-        n = sum(r.numel() for r in self._outputs if is_float(r))
         return effective_bits(err_sq_sum, s, acc, self._dtype, n)
 
     def __repr__(self) -> str:
@@ -356,18 +355,27 @@ def numel_over(x: torch.Tensor, dims: Iterable[int]) -> int:
 # --- the normalized input every rule gets ---
 @dataclasses.dataclass(slots=True)
 class BudgetCall:
-    """A rule's input: the op's plan, its arguments by schema name (defaults filled in; tensors are the
-    device's inputs upcast to float64), the float64 reference outputs (flattened returns; for ops that
-    return nothing, the written arguments), the device dtype, ``u`` (its unit roundoff) and ``ua`` (the
+    """A rule's input: the op's plan, its arguments as passed (``args``, ``kwargs``; tensors are the device's
+    inputs upcast to float64) and by schema name (``a``), the float64 reference outputs (flattened returns; for
+    ops that return nothing, the written arguments), the device dtype, ``u`` (its unit roundoff) and ``ua`` (the
     unit roundoff of the accumulation dtype)."""
 
     plan: OpPlan
-    a: dict[str, Any]
+    args: Sequence[Any]
+    kwargs: dict[str, Any]
     outputs: list[Any]
     dtype: torch.dtype
     u: float
     ua: float
     scratch: Any = None  # shadow.scratch.Scratch: reused memory for the bounds' large temporaries (None: fresh)
+    named: dict[str, Any] | None = None  # ``a`` once bound (a rule may pass its own)
+
+    @property
+    def a(self) -> dict[str, Any]:
+        """Every argument by schema name (defaults filled in), bound at the first read: most rules read none."""
+        if self.named is None:
+            self.named = self.plan.bind(self.args, self.kwargs)
+        return self.named
 
     @property
     def func(self) -> OpOverload:
@@ -528,10 +536,12 @@ def budget_for(func: OpOverload, args: Sequence, kwargs: dict, outputs: Sequence
     """
     if isinstance(outputs, torch.Tensor):
         outputs = [outputs]
-    if all(not is_float(r) or r.numel() == 0 for r in outputs):  # nothing to bound
+    for r in outputs:
+        if is_float(r) and r.numel():
+            break
+    else:  # nothing to bound
         return Budget.in_ulps("empty", 0.0, outputs, dtype)
-    plan = plan_of(func)
-    call = BudgetCall(plan, plan.bind(args, kwargs), list(outputs), dtype, unit_roundoff(dtype),
+    call = BudgetCall(plan_of(func), args, kwargs, list(outputs), dtype, unit_roundoff(dtype),
                       unit_roundoff(accumulation_dtype(dtype)), scratch)
     return BUDGETS.run(func, call)
 

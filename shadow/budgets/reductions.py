@@ -199,7 +199,7 @@ def dist_budget(c: BudgetCall) -> Budget:
     """norm(x - y, p): the difference is relative to each term, so the norm bound holds with one more ua."""
     x = c.a["self"]
     y = c.a["other"]
-    b = norm_budget(dataclasses.replace(c, a={"self": torch.broadcast_tensors(x, y)[0], "p": c.a.get("p")}))
+    b = norm_budget(dataclasses.replace(c, named={"self": torch.broadcast_tensors(x, y)[0], "p": c.a.get("p")}))
     r = c.out()
     return c.budget("reduction", lambda: [b.bound[0] + c.ua * r.abs()] if b.bound[0] is not None else [None])
 
