@@ -626,6 +626,33 @@ def test_malformed_reports_say_what_is_wrong_and_where(tmp_path):
         shadow.load_report(path)
 
 
+def test_an_aggregate_keeps_the_worst_figures_and_leaves_nans_out():
+    """Aggregate.add folds each call's figures as max() and min() would, a NaN figure (a call whose scale is not
+    finite: effective bits nan) left out, and default budgets counted apart."""
+    from shadow.metrics import ErrorStats
+    from shadow.records import BudgetInfo, Kind, Phase, Record
+    nan = math.nan
+    calls = [  # (local max_ulp, max_ulp_nonzero, max_abs, effective_bits, drift rel_norm, drift max_ulp, used, default)
+        (0.5, None, 1e-7, 23.0, 1e-8, 0.5, 0.25, False),
+        (nan, None, nan, nan, nan, nan, nan, False),
+        (3.0, 1.5, 2e-6, 21.5, 4e-7, 7.0, 1.5, False),
+        (9.0, None, 5e-6, 12.0, 1e-6, 2.0, 9.0, True),  # a default budget: no evidence
+        (1.0, None, 1e-7, 22.0, 2e-8, 1.0, 0.5, False),
+    ]
+    agg = shadow.Aggregate()
+    for i, (ulp, nonzero, mabs, bits, rel, dulp, used, default) in enumerate(calls):
+        local = ErrorStats(max_abs=mabs, max_ulp=ulp, n=4, effective_bits=bits, max_ulp_nonzero=nonzero,
+                           zero_reference=int(nonzero is not None))
+        agg.add(Record(i, "aten.mul.Tensor", "", Phase.OTHER, Kind.REPLAYED, local=local,
+                       drift=ErrorStats(max_ulp=dulp, rel_norm=rel, n=4), budget=BudgetInfo("elementwise", used, default),
+                       dtype="torch.float32"))
+    assert (agg.calls, agg.budgeted_calls, agg.over_budget_calls, agg.zero_reference_calls) == (5, 4, 1, 1)
+    assert (agg.max_local_ulp, agg.max_local_ulp_nonzero, agg.max_local_abs) == (9.0, 9.0, 5e-6)
+    assert (agg.max_drift_rel, agg.max_drift_ulp, agg.max_budget_used) == (1e-6, 7.0, 1.5)
+    assert agg.min_effective_bits == 21.5  # the default budget's 12 bits are no evidence; nan is left out
+    assert agg.dtypes == {"torch.float32": 5} and agg.kinds == {Kind.REPLAYED: 5}
+
+
 def test_reports_of_format_versions_1_and_2_load():
     with ShadowMode() as sm:
         torch.randn(4, 4) @ torch.randn(4, 4)
