@@ -137,6 +137,8 @@ def _innermost(parents: set[str]) -> str:
 
 
 def _common_prefix(names: list[str]) -> str:
+    if len(names) == 1:  # an optimizer op on one parameter's tensors: most of them
+        return names[0]
     parts = [n.split(".") for n in names]
     out = []
     for level in zip(*parts):
@@ -251,8 +253,10 @@ class _Callsites:
     ``metadata`` when the next op is seen (``bind``)."""
 
     def __init__(self) -> None:
-        self._internal: dict[Any, bool] = {}
-        self._names: dict[tuple[Any, int], str] = {}
+        # keyed by id(code): a code object's hash is computed from its contents at every lookup (0.35 us, a dozen
+        # frames per op inside a model); the code is held here, so its id names no other while the entry lives
+        self._internal: dict[int, tuple[Any, bool]] = {}
+        self._names: dict[tuple[int, int], str] = {}  # (id(code), line) of a code held in _internal
         self._cwd = os.getcwd() + os.sep
         self._pending: tuple[tuple, str, int] | None = None  # the last forward op's (outputs, call site, index)
         # (record index, its outputs that have an autograd node now), once per forward op (shadow.attribution.adjoint)
@@ -263,11 +267,11 @@ class _Callsites:
         internal, names = self._internal, self._names
         while f is not None:
             code = f.f_code
-            inside = internal.get(code)
-            if inside is None:
-                inside = internal[code] = code.co_filename.startswith(_INTERNAL)
-            if not inside:
-                key = (code, f.f_lineno)
+            known = internal.get(id(code))
+            if known is None:
+                known = internal[id(code)] = (code, code.co_filename.startswith(_INTERNAL))
+            if not known[1]:
+                key = (id(code), f.f_lineno)
                 name = names.get(key)
                 if name is None:
                     path = code.co_filename
