@@ -151,7 +151,8 @@ def host(t: torch.Tensor) -> np.ndarray:
     return t.to(device="cpu", dtype=torch.complex128 if t.is_complex() else torch.float64, copy=True).numpy()
 
 
-_TINY = 64  # elements: below this a Python loop beats any array call (scalars, biases, optimizer steps)
+_TINY = 64  # elements: below this a Python loop beats numpy's and torch's calls (scalars, biases, optimizer steps)
+_LOOP_FUSED = 16  # ... and with numba, up to this only: its pass costs ~4 us at any small size, the loop 0.2 a value
 _SMALL = 1 << 14  # without numba: below this per-call overhead dominates (numpy); above, memory traffic (torch)
 
 
@@ -196,7 +197,7 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: Any = N
     complex_ = y.is_complex() or r.is_complex()
     on_device = _off_cpu(r)  # a reference where the shadows live off the CPU (shadow_device=)
     # complex results: numpy (the modulus is a pass of its own; rare)
-    if n > _TINY and _fused is not None and not complex_ and not on_device:
+    if n > _LOOP_FUSED and _fused is not None and not complex_ and not on_device:
         return _compare_fused(y, r, dtype, n, bound)
     if bound is not None and not isinstance(bound, torch.Tensor):  # a formula: its tensor
         bound = bound.tensor(r)

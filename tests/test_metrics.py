@@ -268,16 +268,19 @@ def test_the_budget_use_skips_only_quotients_below_the_largest(order):
     assert float(formula.tensor(r).max()) > tiny  # the formula's bound is its term over 3, not the floor
 
 
+@pytest.mark.parametrize("size", ["loop", "tiny"])
 @pytest.mark.parametrize("bound_kind", ["none", "tensor", "zeros", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
-def test_the_loop_over_tiny_outputs_equals_the_definitions(dtype, bound_kind):
-    """Outputs of at most _TINY elements (scalars, biases, a small layer's optimizer calls) take a Python loop:
-    its figures are the definitions' on every kind of element, chunk by chunk of a sprinkled sample."""
+def test_small_outputs_equal_the_definitions(dtype, bound_kind, size):
+    """Outputs of at most _LOOP_FUSED elements (scalars, a small layer's biases) take a Python loop, and so do
+    those of at most _TINY without numba; with it, those above _LOOP_FUSED take the fused pass: the figures are the
+    definitions' on every kind of element, chunk by chunk of a sprinkled sample."""
     y, r = _sample(dtype, 2000, seed=11, sprinkled=True)
     bound = _bound(bound_kind, r, dtype)
     seen = set()
-    for i in range(0, 2000 - metrics._TINY + 1, metrics._TINY):
-        part = slice(i, i + metrics._TINY)
+    chunk = metrics._LOOP_FUSED if size == "loop" else metrics._TINY
+    for i in range(0, 2000 - chunk + 1, chunk):
+        part = slice(i, i + chunk)
         b = bound[part] if bound is not None and bound.dim() else bound
         got = compare(y[part], r[part], dtype, b)
         _assert_same(got, _by_definition(y[part], r[part], dtype, b))
