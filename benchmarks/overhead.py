@@ -327,6 +327,31 @@ def bench_per_op(device: str, n: int = 2000, reps: int = 5, shadow_device: str =
     }
 
 
+def bench_per_call(device: str, steps: int = 20, reps: int = 3, shadow_device: str = "auto") -> dict:
+    """What shadow adds per op call inside a small training step (a TransformerEncoderLayer of width 16, batch
+    2 x 8, Adam): tensors of 16 to 1536 elements, real modules, call sites, backward and optimizer calls. The
+    float64 replays are in it (of tensors that size, a few us); the default configuration after its first
+    steps, whose calls are all spot-checked (``shadow.spot``). Best of ``reps`` runs of ``steps`` steps."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).to(device)
+    step = _step_fn(model, torch.randn(2, 8, 16, device=device))
+
+    def best(ctx=None) -> tuple[float, int]:
+        with ctx if ctx is not None else _nullctx():
+            for _ in range(EVERY_CALL_FIRST + 1):
+                step()
+            calls = ctx.report.coverage.calls if ctx is not None else 0
+            t = min(_once(lambda: [step() for _ in range(steps)], device) for _ in range(reps))
+            calls = (ctx.report.coverage.calls - calls) / reps if ctx is not None else 0
+        return t / steps, round(calls / steps)
+
+    native, _ = best()
+    drift, calls = best(ShadowMode(shadow_device=shadow_device, **DRIFT))
+    full, _ = best(ShadowMode(shadow_device=shadow_device))
+    return {"calls_per_step": calls, "native_step_ms": native * 1e3,
+            "drift_overhead_us": (drift - native) / calls * 1e6, "full_overhead_us": (full - native) / calls * 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
@@ -371,6 +396,12 @@ def main() -> None:
         f"drift +{per_op['drift_overhead_us']:.1f} us, drift+local +{per_op['both_overhead_us']:.1f} us, "
         f"default ShadowMode() +{per_op['full_overhead_us']:.1f} us"
     )
+    per_call = bench_per_call(args.device, shadow_device=args.shadow_device)
+    print(
+        f"per call in a small training step (TransformerEncoderLayer d16 b2x8, {per_call['calls_per_step']} calls, "
+        f"native {per_call['native_step_ms']:.2f} ms): drift +{per_call['drift_overhead_us']:.1f} us, "
+        f"default ShadowMode() +{per_call['full_overhead_us']:.1f} us"
+    )
     loaded = [bench_loaded(name, args.reps) for name in args.models] if args.loaded else []
     for r in loaded:
         print(f"{r['model']:<30} with {r['busy']} spinning processes: native {r['native_ms']:.1f} -> "
@@ -381,7 +412,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": args.device, "device_name": dev_name,
                        "shadow_device": args.shadow_device, "replay_device": replay,
-                       "models": rows, "per_op": per_op, "loaded": loaded}, f, indent=1)
+                       "models": rows, "per_op": per_op, "per_call": per_call, "loaded": loaded}, f, indent=1)
 
 
 if __name__ == "__main__":
