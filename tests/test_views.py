@@ -47,6 +47,20 @@ def test_forward_and_backward_ops_point_at_the_users_line():
     assert sum(a.calls for a in rep.by_callsite.values()) == rep.coverage.calls
 
 
+def test_generated_code_freed_and_made_again_gets_its_own_line():
+    """Code made at run time (exec, generated forwards) and dropped: a new code object may take a dead one's
+    address, and call sites are looked up by id(code). Each op names its own generated file and line."""
+    x = torch.randn(3)
+    with ShadowMode(spot_checks="off") as sm:
+        for i in range(30):
+            space: dict = {}
+            exec(compile("\n" * (i % 4) + "def f(x):\n    return x.exp()\n", f"<generated {i}>", "exec"), space)
+            space["f"](x)
+            del space  # the function and its code die here
+    sites = [r.callsite for r in sm.report.find(op="exp")]
+    assert sites == [f"<generated {i}>:{i % 4 + 2}" for i in range(30)]
+
+
 def test_callsites_off_records_none():
     rep = _step(callsites=False).report
     assert {r.callsite for r in rep.records} == {""} and list(rep.by_callsite) == [""]
