@@ -280,19 +280,20 @@ def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
         f = _fused.figures(y, r, bound.term, tiny, bound.scale, bound.alpha, bound.op, bound.other)
     else:
         f = _fused.figures(y, r, bound.tensor(r), tiny)
+    f = f.tolist()  # Python floats: read a dozen times below, each a numpy scalar otherwise
     stats = ErrorStats(n=n, budget_used=None if bound is None else 0.0,
                        nonfinite_device=int(f[_fused.DEVICE]), nonfinite_reference=int(f[_fused.REFERENCE]),
                        nonfinite_mismatch=int(f[_fused.MISMATCH]), nonfinite_agreed=int(f[_fused.AGREED]))
-    m = float(f[_fused.MAX_ABS])
+    m = f[_fused.MAX_ABS]
     if m == 0.0:
         return stats
     if bound is not None:
-        stats.budget_used = float(f[_fused.BUDGET])
-    _finish(stats, m, math.sqrt(f[_fused.SUM_D2]), math.sqrt(f[_fused.SUM_R2]), float(f[_fused.MAX_ULP]), dtype)
+        stats.budget_used = f[_fused.BUDGET]
+    _finish(stats, m, math.sqrt(f[_fused.SUM_D2]), math.sqrt(f[_fused.SUM_R2]), f[_fused.MAX_ULP], dtype)
     # zero references reported under the same condition as compare's other paths check for them
     if stats.max_ulp >= scale and f[_fused.ZERO]:
         stats.zero_reference = int(f[_fused.ZERO])
-        stats.max_ulp_nonzero = float(f[_fused.MAX_ULP_NONZERO]) * scale
+        stats.max_ulp_nonzero = f[_fused.MAX_ULP_NONZERO] * scale
     return stats
 
 
