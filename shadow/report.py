@@ -4,7 +4,9 @@ and the saved format."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -183,6 +185,7 @@ class Report:
             self._views.clear()
         if self.max_records is None or len(self.records) < self.max_records:
             self.records.append(rec)
+            _untrack(rec)
         else:
             self.dropped_records += 1
 
@@ -541,6 +544,33 @@ def _cell_dicts(cells: dict[tuple[str, str, str, str], Aggregate], fields: Itera
     return [{"op": k[0], "module": k[1], "callsite": k[2], "phase": str(k[3]),
              "aggregate": dataclasses.asdict(v) if fields is None else {name: getattr(v, name) for name in fields}}
             for k, v in cells.items()]
+
+
+def _gc_untrack() -> Callable[[Any], None] | None:
+    """CPython's ``PyObject_GC_UnTrack`` (None on another Python, where records stay tracked)."""
+    try:
+        fn = ctypes.pythonapi.PyObject_GC_UnTrack
+    except AttributeError:
+        return None
+    fn.argtypes, fn.restype = [ctypes.py_object], None
+    return fn
+
+
+_GC_UNTRACK = _gc_untrack()
+
+
+def _untrack(rec: Record) -> None:
+    """Take a kept record and its figures out of the garbage collector's lists. Kept records pile up (one to five
+    tracked objects a call), and as they do they set off the collector's full collections, each a walk over
+    every object of the process: 7-13 us a call over a long run of small ops, and a third of a small GPT-2's
+    shadowed step (benchmarks/records_gc.py). A record and its figures hold numbers, strings and each other, never
+    a reference back, so no cycle the collector could free runs through them; reference counting frees them.
+    Only tracked objects (instances of collected types) are untracked."""
+    if _GC_UNTRACK is None:
+        return
+    for o in (rec, rec.local, rec.drift, rec.budget, rec.spot, rec.cpu):
+        if o is not None and gc.is_tracked(o):
+            _GC_UNTRACK(o)
 
 
 def _read_cells(d: dict, where: str = "") -> dict[tuple[str, str, str, str], Aggregate]:

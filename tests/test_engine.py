@@ -653,6 +653,42 @@ def test_an_aggregate_keeps_the_worst_figures_and_leaves_nans_out():
     assert agg.dtypes == {"torch.float32": 5} and agg.kinds == {Kind.REPLAYED: 5}
 
 
+def test_kept_records_are_out_of_the_collectors_lists_and_freed_with_their_report():
+    """Kept records and their figures are untracked by the garbage collector (their pile set off its full
+    collections: benchmarks/records_gc.py), and still freed with their report."""
+    import gc
+    import tracemalloc
+
+    x = torch.randn(4)
+
+    def run() -> ShadowMode:
+        with ShadowMode(spot_checks="off") as sm:
+            y = x
+            for _ in range(3000):
+                y = y * 1.0001
+        return sm
+
+    sm = run()
+    rec = sm.report.records[-1]
+    assert rec.local is not None and rec.drift is not None and rec.budget is not None
+    assert not any(gc.is_tracked(o) for o in (rec, rec.local, rec.drift, rec.budget))
+    del sm, rec
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        sm = run()
+        assert len(sm.report.records) == 3000
+        held = tracemalloc.get_traced_memory()[0] - base
+        del sm
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held > 3000 * 300  # a record and its figures: several hundred bytes
+    assert left < held / 20, (held, left)
+
+
 def test_reports_of_format_versions_1_and_2_load():
     with ShadowMode() as sm:
         torch.randn(4, 4) @ torch.randn(4, 4)
