@@ -346,16 +346,11 @@ def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int, bl: list | N
     return _finish(stats, m, math.sqrt(nd2), math.sqrt(nr2), unit_max, dtype)
 
 
-_CONSTS: dict[torch.dtype, tuple[float, float]] = {}
-
-
+@functools.cache  # finfo costs more than a comparison
 def _consts(dtype: torch.dtype) -> tuple[float, float]:
-    """(smallest normal, 2**p) of a dtype's real part, cached: finfo costs more than a comparison."""
-    c = _CONSTS.get(dtype)
-    if c is None:
-        rdt = _real_dtype(dtype)
-        c = _CONSTS[dtype] = (torch.finfo(rdt).tiny, 2.0 ** precision_bits(rdt))
-    return c
+    """(smallest normal, 2**p) of a dtype's real part."""
+    rdt = _real_dtype(dtype)
+    return torch.finfo(rdt).tiny, 2.0 ** precision_bits(rdt)
 
 
 @np.errstate(all="ignore")  # inf - inf and 0/0 are counted below, never printed into the user's stderr

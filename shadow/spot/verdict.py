@@ -97,9 +97,6 @@ def _emin(dtype: torch.dtype) -> int:
     return math.frexp(torch.finfo(dtype).tiny)[1] - 1  # smallest normal = 2**emin
 
 
-_bits = functools.cache(precision_bits)
-
-
 def _floor_log2(x: mpmath.mpf) -> int | None:
     """floor(log2 |x|) of a finite mpf (None for 0): mpf stores man * 2**exp with man of bc bits."""
     _, man, exp, bc = x._mpf_
@@ -109,7 +106,7 @@ def _floor_log2(x: mpmath.mpf) -> int | None:
 def _spacing(e2: int | None, dtype: torch.dtype) -> float:
     """spacing_d at |x| = 2**(max(floor(log2|x|), emin) - p), as ``shadow.metrics.spacing``."""
     emin = _emin(dtype)
-    return math.ldexp(1.0, max(emin if e2 is None else e2, emin) - _bits(dtype))
+    return math.ldexp(1.0, max(emin if e2 is None else e2, emin) - precision_bits(dtype))
 
 
 def _in_ulps(err: float, spacing: float) -> float:
@@ -148,7 +145,7 @@ def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index:
     # float64's typical error here is 2**-53 * magnitude; escalate while RISK_FACTOR of them would not fit
     # in the tolerance (a device dtype as precise as float64 has no headroom to escalate over)
     mag = to_float(mpf_abs(e.magnitude._mpf_)) if mpmath.isfinite(e.magnitude) else abs(xf)
-    risky = not trusted or (_bits(dtype) < 52 and RISK_FACTOR * math.ldexp(mag, -53) > tol)
+    risky = not trusted or (precision_bits(dtype) < 52 and RISK_FACTOR * math.ldexp(mag, -53) > tol)
     return Sample(output, index, xf, r, y, ref_ulp, _in_ulps(dev_abs, sd), dev_abs, c, trusted, risky)
 
 
