@@ -330,8 +330,9 @@ def bench_per_op(device: str, n: int = 2000, reps: int = 5, shadow_device: str =
 def bench_per_call(device: str, steps: int = 20, reps: int = 3, shadow_device: str = "auto") -> dict:
     """What shadow adds per op call inside a small training step (a TransformerEncoderLayer of width 16, batch
     2 x 8, Adam): tensors of 16 to 1536 elements, real modules, call sites, backward and optimizer calls. The
-    float64 replays are in it (of tensors that size, a few us); the default configuration after its first
-    steps, whose calls are all spot-checked (``shadow.spot``). Best of ``reps`` runs of ``steps`` steps."""
+    float64 replays are in it (of tensors that size, a few us). Each configuration is timed after its first
+    ``EVERY_CALL_FIRST + 1`` steps, past the calls the default spot checks all sample (``shadow.spot``). Best of
+    ``reps`` runs of ``steps`` steps."""
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).to(device)
     step = _step_fn(model, torch.randn(2, 8, 16, device=device))
