@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shadow import ShadowMode
 from shadow.options import Options
@@ -306,8 +307,41 @@ def bench_loaded(name: str, reps: int, busy: int | None = None) -> dict:
             "slowdown_ratio": shadowed_slowdown / native_slowdown}  # target: within 0.8-1.2
 
 
+class _PassThrough(TorchDispatchMode):
+    """What any Python dispatch mode costs an op: torch's entry into the mode, then the op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _BareReplay(TorchDispatchMode):
+    """The least a float64 replay does per op, none of shadow's bookkeeping (views, storages, version counters,
+    budgets, records, attribution): the op, then its float64 replay on the inputs' kept float64 values (an
+    input's upcast where none is kept), the result kept beside its output, the largest difference read back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(output) -> (output, float64 value)
+
+    def _value(self, a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        k = self.kept.get(id(a))
+        return k[1] if k is not None and k[0] is a else a.to(torch.float64)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        with torch._C._DisableTorchDispatch():
+            ref = func(*[self._value(a) for a in args], **(kwargs or {}))
+            self.kept[id(out)] = (out, ref)
+            max(abs(a - b) for a, b in zip(out.tolist(), ref.tolist()))
+        return out
+
+
 def bench_per_op(device: str, n: int = 2000, reps: int = 5, shadow_device: str = "auto") -> dict:
-    """Framework overhead per op on tiny tensors (4 elements): everything shadow adds to one op call."""
+    """Framework overhead per op on tiny tensors (4 elements): everything shadow adds to one op call. Beside it,
+    in the same run, what a pass-through dispatch mode and a bare float64 replay (``_BareReplay``) add: the
+    floor any dispatch mode pays, and the part of shadow's cost that is its bookkeeping."""
     x = torch.randn(4, device=device)
 
     def chain() -> None:
@@ -316,11 +350,15 @@ def bench_per_op(device: str, n: int = 2000, reps: int = 5, shadow_device: str =
             y = y * 1.0001
 
     native = _time(chain, device, reps)
+    passthrough = _time(chain, device, reps, _PassThrough())
+    bare = _time(chain, device, reps, _BareReplay())
     drift = _time(chain, device, reps, ShadowMode(shadow_device=shadow_device, **DRIFT))
     both = _time(chain, device, reps, ShadowMode(shadow_device=shadow_device, **BOTH))
     full = _time(chain, device, reps, ShadowMode(shadow_device=shadow_device))
     return {
         "native_us": native / n * 1e6,
+        "passthrough_overhead_us": (passthrough - native) / n * 1e6,
+        "bare_replay_overhead_us": (bare - native) / n * 1e6,
         "drift_overhead_us": (drift - native) / n * 1e6,  # target <= 30
         "both_overhead_us": (both - native) / n * 1e6,
         "full_overhead_us": (full - native) / n * 1e6,  # the default ShadowMode(); target <= 50
@@ -395,7 +433,8 @@ def main() -> None:
     print(
         f"per-op overhead (4-element tensors): native {per_op['native_us']:.1f} us/op, "
         f"drift +{per_op['drift_overhead_us']:.1f} us, drift+local +{per_op['both_overhead_us']:.1f} us, "
-        f"default ShadowMode() +{per_op['full_overhead_us']:.1f} us"
+        f"default ShadowMode() +{per_op['full_overhead_us']:.1f} us; beside them a pass-through dispatch mode "
+        f"+{per_op['passthrough_overhead_us']:.1f} us, a bare float64 replay +{per_op['bare_replay_overhead_us']:.1f} us"
     )
     per_call = bench_per_call(args.device, shadow_device=args.shadow_device)
     print(
