@@ -12,8 +12,9 @@ targets compare the shadowed step with what it must at least do: ``drift / (nati
 ``default / (native + 2 f64)`` (issue 11: 1.3x and 1.6x). Every configuration's third step is timed; the
 default one's is timed again after 16 steps, when even an op called once per step is past the calls whose spot
 checks it all samples (``shadow.spot``): what a long run pays per step.
-Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops. Memory: the bytes of live
-shadows over the device bytes they mirror, right after a step.
+Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops, beside a pass-through dispatch mode
+and a bare float64 replay timed in the same run (the floor under shadow's own bookkeeping). Memory: the bytes of
+live shadows over the device bytes they mirror, right after a step.
 """
 
 from __future__ import annotations
@@ -330,9 +331,10 @@ class _BareReplay(TorchDispatchMode):
         return k[1] if k is not None and k[0] is a else a.to(torch.float64)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         with torch._C._DisableTorchDispatch():
-            ref = func(*[self._value(a) for a in args], **(kwargs or {}))
+            ref = func(*[self._value(a) for a in args], **kwargs)
             self.kept[id(out)] = (out, ref)
             max(abs(a - b) for a, b in zip(out.tolist(), ref.tolist()))
         return out
