@@ -12,9 +12,10 @@ targets compare the shadowed step with what it must at least do: ``drift / (nati
 ``default / (native + 2 f64)`` (issue 11: 1.3x and 1.6x). Every configuration's third step is timed; the
 default one's is timed again after 16 steps, when even an op called once per step is past the calls whose spot
 checks it all samples (``shadow.spot``): what a long run pays per step.
-Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops, beside a pass-through dispatch mode
-and a bare float64 replay timed in the same run (the floor under shadow's own bookkeeping). Memory: the bytes of
-live shadows over the device bytes they mirror, right after a step.
+Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops, beside a pass-through dispatch mode,
+a bare float64 replay and the drift path's features written for that one op, timed in the same run (the floor
+under shadow's own bookkeeping, and what its engine's generality adds). Memory: the bytes of live shadows over the
+device bytes they mirror, right after a step.
 """
 
 from __future__ import annotations
@@ -348,6 +349,9 @@ class _BareReplay(TorchDispatchMode):
         return out
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
 class _LeanDrift(TorchDispatchMode):
     """The drift path's per-call features written for one case only: a functional op with one fresh output. It
     keeps what shadow's drift records keep: a float64 shadow per storage (an entry with a weak reference, swept),
@@ -362,7 +366,7 @@ class _LeanDrift(TorchDispatchMode):
         super().__init__()
         self.entries: dict[int, list] = {}  # storage key -> [weak ref, float64 shadow, writes]
         self.versions: dict[int, tuple] = {}  # id(t) -> (weak ref, storage key, version, writes)
-        self.internal: dict[int, bool] = {}  # id(code) -> inside torch (call sites)
+        self.internal: dict[int, tuple] = {}  # id(code) -> (code, inside torch): the code held, so its id stays its
         self.cells: dict[tuple, list] = {}
         self.records: list = []
         self.pending: tuple | None = None
@@ -373,8 +377,10 @@ class _LeanDrift(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self.tracker.__exit__(*exc)
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.tracker.__exit__(*exc)
 
     def _shadow(self, t):
         if not isinstance(t, torch.Tensor):
@@ -394,10 +400,10 @@ class _LeanDrift(TorchDispatchMode):
     def _site(self) -> str:
         f = sys._getframe(2)  # the caller of __torch_dispatch__: torch's wrappers, then the user's frame
         while f is not None:
-            inside = self.internal.get(id(f.f_code))
-            if inside is None:
-                inside = self.internal[id(f.f_code)] = f.f_code.co_filename.startswith(os.path.dirname(torch.__file__))
-            if not inside:
+            known = self.internal.get(id(f.f_code))
+            if known is None:
+                known = self.internal[id(f.f_code)] = (f.f_code, f.f_code.co_filename.startswith(_TORCH_DIR))
+            if not known[1]:
                 return f"{f.f_code.co_filename}:{f.f_lineno}"
             f = f.f_back
         return ""
