@@ -26,9 +26,9 @@ from .metrics import _fused  # the numba kernels (None without numba)
 from .metrics import ErrorStats, compare, count_flips
 from .mirror import CPU, Mirror, Placement, any_nonfinite, shadow_dtype_of
 from .options import Options
-from .plan import ArgSpec, OpPlan, flat_returns, plan_of
+from .plan import ArgSpec, ArgType, OpPlan, flat_returns, plan_of
 from .records import BudgetInfo, Event, Kind, Record
-from .replay import REPLAY, Replay, defined_regions, view_rule
+from .replay import DEFINED, REPLAY, Replay, defined_regions, view_rule
 from .replay.table import Deferred
 from .report import Report, merged
 from .rules import run_chain
@@ -79,6 +79,7 @@ class Prepared:
     inputs: list[torch.Tensor] | None = None  # device tensors read (naming)
     storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
+    direct: bool = False  # the op's calls may conclude on the direct path (``Engine._direct``)
 
     @property
     def reference(self) -> Args:
@@ -150,7 +151,7 @@ class Engine:
                              Placement(options.shadow_device, options.max_shadow_bytes or 0))
         self.spot = SpotPolicy(options.spot_checks)
         self.scratch = Scratch()  # reused memory for an op call's large temporaries (shadow.scratch)
-        self._plans: dict[Any, tuple[OpPlan, tuple] | None] = {}
+        self._plans: dict[Any, tuple[OpPlan, tuple, bool] | None] = {}  # (plan, replay chain, direct)
         self._index = 0
         # shadow.attribute's hooks (None in a plain ShadowMode): how an ablation world rewrites a call's shadows,
         # given (op, module, phase, call site) (_rewrite_shadow); and a look at each judged call's record and outputs
@@ -179,7 +180,7 @@ class Engine:
         if entry is None:  # no tensor in or out (profiler markers...), or a schema shadow cannot read
             self.report.passed_through()
             return func(*args, **kwargs)
-        plan, chain = entry
+        plan, chain, direct = entry
         if self._deferred:  # an op touching a deferred call's outputs: the user's program waited for them
             completing = self._completing(plan, args)
             self.settle((t for _, t in plan.tensors(args, kwargs)), spare=completing)
@@ -207,7 +208,7 @@ class Engine:
         prepared = error = None
         try:
             with _no_dispatch():
-                prepared = self._prepare(plan, chain, args, kwargs)
+                prepared = self._prepare(plan, chain, direct, args, kwargs)
         except _NoValues:
             out = func(*args, **kwargs)
             self._record(plan, Kind.META, args, kwargs, out)
@@ -226,12 +227,13 @@ class Engine:
                 self._internal_error(plan, args, kwargs, out, exc)
         return out
 
-    def _plan(self, func) -> tuple[OpPlan, tuple] | None:
+    def _plan(self, func) -> tuple[OpPlan, tuple, bool] | None:
         try:
             plan = plan_of(func)
             if not plan.tensor_args and not any(r.is_tensor for r in plan.returns):
                 return None
-            return plan, REPLAY.chain(func)
+            chain = REPLAY.chain(func)
+            return plan, chain, _direct(plan, chain)
         except Exception as exc:  # never raise into the user's program
             self.report.internal_error(str(func), f"internal error reading the schema: {exc}")
             return None
@@ -299,8 +301,8 @@ class Engine:
             self.scratch.set_limit(cap - self.mirror.held)
 
     # --- before the device op ---
-    def _prepare(self, plan: OpPlan, chain: tuple, args: tuple, kwargs: dict) -> Prepared:
-        p = Prepared(plan, chain, inputs=[], storages=set())
+    def _prepare(self, plan: OpPlan, chain: tuple, direct: bool, args: tuple, kwargs: dict) -> Prepared:
+        p = Prepared(plan, chain, inputs=[], storages=set(), direct=direct)
         self.trim_scratch()
         read: dict[int, torch.Tensor] = {}  # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
 
@@ -415,6 +417,8 @@ class Engine:
 
     def _conclude(self, p: Prepared, args, kwargs, out, kind: Kind, souts, louts, at: tuple | None = None) -> None:
         """Judge, commit and record a replayed call."""
+        if p.direct and at is None and self._conclude_direct(p, args, kwargs, out, kind, souts, louts):
+            return
         plan = p.plan
         outputs = self._outputs(p, args, kwargs, out, souts, louts)
         regions = defined_regions(plan, args, kwargs, out)
@@ -433,6 +437,50 @@ class Engine:
                            cpu=cpu, result=result, nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift, at=at)
         if self._observe is not None:
             self._observe(rec, outputs.items, p)
+
+    def _conclude_direct(self, p: Prepared, args, kwargs, out, kind: Kind, souts, louts) -> bool:
+        """``_conclude`` for the common case, the direct path: a call of a functional or in-place op (``_direct``)
+        whose outputs are all floating strided tensors reproduced in shape by the replay, with no spot check,
+        ablation world, observer or CPU comparison. The same figures, shadows and record as the general path,
+        without its walk over written arguments, numbers and defined regions; False (nothing done) for any other
+        call."""
+        if p.spot or p.cpu is not None or self.world is not None or self._observe is not None:
+            return False
+        plan = p.plan
+        if plan.writes:  # in place on one argument: it is the output
+            spec = plan.writes[0]
+            devs, shs = (spec.get(args, kwargs),), (p.shadow.get(spec),)
+            los = (p.local.get(spec) if p.local is not None else None,)
+        elif len(plan.returns) == 1:
+            devs, shs, los = (out,), (souts,), (louts,)
+        else:
+            devs, shs, los = out, souts, louts if louts is not None else (None,) * len(out)
+        for d, s in zip(devs, shs):
+            if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor) or d.layout != torch.strided \
+                    or d.is_nested or s.dtype != shadow_dtype_of(d.dtype) or s.shape != d.shape or d._is_zerotensor():
+                return False
+        dtype = devs[0].dtype
+        budget = None
+        if p.pre is not None and self.opt.budgets and self.opt.local:
+            budget = self._bounds(p, self._budget_of(p, [s if lo is None else lo for s, lo in zip(shs, los)], dtype))
+        ulps = budget.ulps if budget is not None else None
+        compared = []
+        for i, (d, s, lo) in enumerate(zip(devs, shs, los)):
+            bound = None
+            if budget is not None and ulps is None:
+                bounds = budget.compared
+                bound = bounds[i] if i < len(bounds) else None
+            compared.append(self._figures(Compared(keep=s), d, s, lo, d.dtype, bound, ulps))
+        verdict = self._verdict(p, compared, budget, None)
+        for d, c in zip(devs, compared):
+            if plan.writes:
+                self.mirror.commit_write(d, c.keep, c.exact, c.nonfinite,
+                                         c.drift.rel_norm if c.drift is not None and not c.exact else 0.0)
+            else:
+                self._keep_fresh(p, d, c)
+        self._record(plan, kind, args, kwargs, out, verdict=verdict, inputs=p.inputs, result=devs[0],
+                     nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift)
+        return True
 
     def _rewrite_shadow(self, how: str, outputs: Outputs, compared: list[Compared]) -> None:
         """``shadow.attribute``'s ablation worlds, before the mirror keeps a call's shadows: "device" gives each
@@ -519,8 +567,7 @@ class Engine:
                 spot = None
         else:
             spot = None
-        if budget is not None and budget.ulps is None:  # bounds are built lazily: a rule's failure costs the budget
-            budget = self._guarded(p, budget, lambda: budget.compared)
+        budget = self._bounds(p, budget)
         compared = []
         for o in outputs.items:
             if isinstance(o.device, torch.Tensor):
@@ -534,6 +581,11 @@ class Engine:
                                   dtype, None)
                 c.keep = None
                 compared.append(c)
+        return self._verdict(p, compared, budget, spot)
+
+    def _verdict(self, p: Prepared, compared: list[Compared], budget: Budget | None, spot: SpotStats | None
+                 ) -> Verdict:
+        """The call's figures merged over its outputs, its effective bits and its budget's use."""
         drift = merged(c.drift for c in compared) if self.opt.drift else None
         local = merged(c.local for c in compared) if self.opt.local else None
         info = None
@@ -586,15 +638,23 @@ class Engine:
             dev, sh = dev.detach().to(sh.device)[defined], sh[defined]
             lo = lo[defined] if has_local and lo.shape == defined.shape else lo
             bound = torch.broadcast_to(bound, defined.shape)[defined] if isinstance(bound, torch.Tensor) else bound
+        return self._figures(Compared(keep=keep, skipped=skipped), dev, sh, lo, dtype, bound,
+                             budget.ulps if budget is not None and o.slot is not None else None)
+
+    def _figures(self, c: Compared, dev: torch.Tensor, sh: torch.Tensor, lo: Any, dtype: torch.dtype, bound: Any,
+                 ulps: float | None) -> Compared:
+        """``c`` with the figures of a device result against its shadow (drift) and its local reference ``lo``
+        (None: the shadow serves), where every element compared is defined; ``bound``: the budget's bound (a
+        tensor or formula) or ``ulps``: a budget in ulps."""
+        has_local = isinstance(lo, torch.Tensor)
         # with every input exact (no local replay), the shadow comparison is the local error too
         shared = self.opt.local and not has_local
         st = compare(dev, sh, dtype, bound if shared else None) if self.opt.drift or shared else None
-        c = Compared(exact=st is not None and st.exact, keep=keep, skipped=skipped)
+        c.exact = st is not None and st.exact
         if self.opt.local:
             c.local = (compare(dev, lo, dtype, bound) if lo.shape == dev.shape else ErrorStats()) if has_local else st
-            if budget is not None and o.slot is not None and budget.ulps is not None:
-                c.local.budget_used = c.local.max_ulp / budget.ulps if budget.ulps > 0 else \
-                    (_INF if c.local.max_abs else 0.0)
+            if ulps is not None:
+                c.local.budget_used = c.local.max_ulp / ulps if ulps > 0 else (_INF if c.local.max_abs else 0.0)
         if self.opt.drift:
             c.drift = dataclasses.replace(st, budget_used=None) if shared and st.budget_used is not None else st
         stats = st if st is not None else c.local
@@ -612,10 +672,20 @@ class Engine:
                     slots += [None] * (o.slot + 1 - len(slots))
                 slots[o.slot] = o.reference
                 found = True
-        if not found:
-            return None
-        return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, slots, outputs.dtype,
+        return self._budget_of(p, slots, outputs.dtype) if found else None
+
+    def _budget_of(self, p: Prepared, references: list, dtype: torch.dtype) -> Budget | None:
+        """The budget of the references by output slot (None where an output is absent) in the device ``dtype``;
+        None when its rule failed."""
+        return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, references, dtype,
                                                          scratch=self.scratch))
+
+    def _bounds(self, p: Prepared, budget: Budget | None) -> Budget | None:
+        """``budget`` with the bounds the comparisons read built (lazily built: a rule's failure there costs the
+        budget, None); budgets in ulps need none."""
+        if budget is not None and budget.ulps is None:
+            return self._guarded(p, budget, lambda: budget.compared)
+        return budget
 
     def _guarded(self, p: Prepared, value: Any, build: Callable[[], Any]) -> Any:
         """``value`` once ``build()`` succeeded (``build()``'s result when value is None); None when a budget
@@ -675,14 +745,19 @@ class Engine:
         if c.mismatch:  # the device's value, adopted
             m.assign(dev, c.keep, exact=True, fresh=True, nonfinite=any_nonfinite(dev))
             return
-        drift = c.drift.rel_norm if c.drift is not None and not c.exact else 0.0
         if o.written:
-            m.commit_write(dev, c.keep, c.exact, c.nonfinite, drift)
+            m.commit_write(dev, c.keep, c.exact, c.nonfinite,
+                           c.drift.rel_norm if c.drift is not None and not c.exact else 0.0)
         else:
-            e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
-                         nonfinite=c.nonfinite, drift=drift)
-            if shadow_dtype_of(dev.dtype) is not None:
-                m.unobserved_write(dev, e)  # start tracking the new output's version counter
+            self._keep_fresh(p, dev, c)
+
+    def _keep_fresh(self, p: Prepared, dev: torch.Tensor, c: Compared) -> None:
+        """A fresh output's shadow kept (not an alias of an input's: it becomes its storage's shadow as it is)."""
+        m = self.mirror
+        e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
+                     nonfinite=c.nonfinite, drift=c.drift.rel_norm if c.drift is not None and not c.exact else 0.0)
+        if shadow_dtype_of(dev.dtype) is not None:
+            m.unobserved_write(dev, e)  # start tracking the new output's version counter
 
     # --- adoption and recording ---
     def _adopt_all(self, plan: OpPlan, args, kwargs, out) -> None:
@@ -818,6 +893,20 @@ class _Pending:
     at: tuple  # (module, phase, call site) where it was called
     storages: set[int]
     adopted: int  # Mirror.adopted at the call: storages adopted later are not the user's (``_completing``)
+
+
+def _direct(plan: OpPlan, chain: tuple) -> bool:
+    """Whether an op's calls may take the direct path (``Engine._conclude_direct``), decided once per overload: it
+    reads single tensors (no lists), is replayed rather than viewed, defines every element of its outputs, and
+    either writes no argument and returns fresh tensors only (no views, lists or numbers), or writes one argument in
+    place, declared (its version moves), and returns it (``mul_``, ``addcdiv_``: not out= ops)."""
+    if not plan.returns or chain[0] is view_rule or DEFINED.chain(plan.func) \
+            or any(a.type is not ArgType.TENSOR for a in plan.tensor_args) or any(r.tensors for r in plan.returns):
+        return False
+    if plan.writes:
+        return len(plan.writes) == 1 and not plan.out_args and plan.declared_writes == {plan.writes[0].index} \
+            and len(plan.returns) == 1 and plan.returns[0].aliases_write
+    return all(r.is_tensor and not r.aliases_read and not r.aliases_write for r in plan.returns)
 
 
 def _storages(tensors) -> set[int]:

@@ -805,3 +805,48 @@ def test_a_budget_rule_that_fails_lazily_costs_the_budget_not_the_op():
     assert rec.local.max_abs == 0 and torch.equal(sm.shadow_of(y), y.double())
     assert "ZeroDivisionError" in sm.report.coverage.unsupported["budget of aten.histc.default"]
     assert sm.report.coverage.internal_errors == 1
+
+
+# --- the direct path (Engine._conclude_direct) ---
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, {"local": False, "budgets": False, "spot_checks": "off"}])
+def test_direct_path_concludes_as_the_general_path(dtype, options):
+    """A training step concluded on the direct path where it may, and on the general path for every call (an
+    ablation world that rewrites nothing: ``Engine._conclude_direct`` declines under any world), gives the same
+    records to the last bit and the same shadows."""
+
+    def run(general: bool, concluded: list | None = None):
+        torch.manual_seed(0)
+        model = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True).to(dtype)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        x = torch.randn(2, 8, 16, dtype=dtype)
+        with ShadowMode(**options) as sm:
+            engine = sm._engine
+            if general:
+                engine.world = lambda *at: None
+            if concluded is not None:  # counted in a run of its own: the wrapper's frame would be the call site
+                conclude = engine._conclude_direct
+                engine._conclude_direct = lambda *a: concluded.append(conclude(*a)) or concluded[-1]
+            for _ in range(3):
+                loss = model(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return sm, loss, [p for p in model.parameters()]
+
+    concluded = []
+    counted, _, _ = run(False, concluded)
+    assert sum(concluded) > len(counted.report.records) / 3  # views, .item() and spot-checked calls take the other
+    concluded.clear()
+    run(True, concluded)
+    assert not any(concluded)
+    direct, loss_d, params_d = run(False)
+    general, loss_g, params_g = run(True)
+    assert torch.equal(loss_d, loss_g)
+    rd, rg = direct.report.records, general.report.records
+    assert len(rd) == len(rg) > 600
+    assert [r.to_dict() for r in rd] == [r.to_dict() for r in rg]
+    assert sum(r.drift is not None and r.drift.max_abs > 0 for r in rd) > 50  # real figures, not zeros alike
+    assert torch.equal(direct.shadow_of(loss_d), general.shadow_of(loss_g))
+    for a, b in zip(params_d, params_g):
+        assert torch.equal(direct.shadow_of(a), general.shadow_of(b))
