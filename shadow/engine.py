@@ -586,8 +586,16 @@ class Engine:
     def _verdict(self, p: Prepared, compared: list[Compared], budget: Budget | None, spot: SpotStats | None
                  ) -> Verdict:
         """The call's figures merged over its outputs, its effective bits and its budget's use."""
-        drift = merged(c.drift for c in compared) if self.opt.drift else None
-        local = merged(c.local for c in compared) if self.opt.local else None
+        if len(compared) == 1:  # most calls: the one output's figures are the call's
+            c = compared[0]
+            drift, local = c.drift, c.local
+            flips, local_flips, mismatch, skipped = c.flips, c.local_flips, c.mismatch, c.skipped
+        else:
+            drift, local = merged(c.drift for c in compared), merged(c.local for c in compared)
+            flips = local_flips = mismatch = skipped = 0
+            for c in compared:
+                flips, local_flips, mismatch = flips + c.flips, local_flips + c.local_flips, mismatch + c.mismatch
+                skipped += c.skipped
         info = None
         if budget is not None and local is not None:
             if local is drift:  # one output's stats serving both figures (merged): only the local error gets bits
@@ -596,10 +604,6 @@ class Engine:
                 local.effective_bits = self._guarded(p, None, lambda: budget.bits(local.norm ** 2,
                                                                                   _reference_sq(compared)))
             info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
-        flips = local_flips = mismatch = skipped = 0
-        for c in compared:
-            flips, local_flips, mismatch = flips + c.flips, local_flips + c.local_flips, mismatch + c.mismatch
-            skipped += c.skipped
         return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 
     def _compare(self, p: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None,

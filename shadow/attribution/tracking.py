@@ -53,6 +53,7 @@ class _Tracker(ModuleTracker):
     on_compiled: Callable[[str, torch.nn.Module], None] | None = None  # a compiled module about to run: its name
 
     def __init__(self) -> None:
+        self._innermost: str | None = None  # the innermost of ``parents`` (None: to compute), asked at every op
         super().__init__()
         # module -> per running call (nested calls stack): its exit hook and its inputs' autograd edges
         self._calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -66,6 +67,37 @@ class _Tracker(ModuleTracker):
         for h in self._waiting.values():
             h.remove()
         self._waiting.clear()
+
+    # ``parents`` changes only through these: ModuleTracker assigns a new set (its end-of-backward callback) or
+    # adds and removes names in the functions below; each change forgets the innermost module
+    @property
+    def parents(self) -> set[str]:
+        return self._parents
+
+    @parents.setter
+    def parents(self, value: set[str]) -> None:
+        self._parents = value
+        self._innermost = None
+
+    @property
+    def innermost(self) -> str:
+        """The innermost running module ("" outside any)."""
+        if self._innermost is None:
+            self._innermost = _innermost(self._parents)
+        return self._innermost
+
+    def _get_append_fn(self, name: str, is_bw: bool) -> Callable:
+        return self._forgetting(super()._get_append_fn(name, is_bw))
+
+    def _get_pop_fn(self, name: str, is_bw: bool) -> Callable:
+        return self._forgetting(super()._get_pop_fn(name, is_bw))
+
+    def _forgetting(self, fn: Callable) -> Callable:
+        def changed(*args) -> None:
+            fn(*args)
+            self._innermost = None
+
+        return changed
 
     def _remove_fired(self) -> None:
         for h in self._fired:
@@ -379,7 +411,7 @@ class Attribution:
             except Exception:  # never raise into the user's program: the call keeps the fallback name
                 pass
             return self._steps.current, Phase.OPTIMIZER, sites.here() if sites is not None else ""
-        module = _innermost(self._tracker.parents)
+        module = self._tracker.innermost
         if torch._C._current_graph_task_id() != -1:
             return module, Phase.BACKWARD, sites.backward() if sites is not None else ""
         if sites is None:
