@@ -325,10 +325,10 @@ class Mirror:
         without a copy when t covers its whole storage contiguously. ``nonfinite``: t holds a NaN or an
         infinity; ``drift``: the rel_norm of t against value."""
         st = t.untyped_storage()
-        key = st._cdata
+        key, nbytes = st._cdata, st.nbytes()
         e = self._entries.get(key)
         itemsize = t.element_size()
-        if e is not None and e.nbytes == st.nbytes():
+        if e is not None and e.nbytes == nbytes:
             b = e.base if e.itemsize == itemsize else _as_pair(e.base, e.itemsize, t)
             if b is not None:
                 _write_region(b, t, value)
@@ -336,11 +336,11 @@ class Mirror:
                 e.nonfinite = _still_nonfinite(e, t, nonfinite)
                 e.drift = _drift_after(e, t, drift)
                 return e
-        n = st.nbytes() // itemsize
+        n, numel = nbytes // itemsize, t.numel()
         sd = self.shadow_dtype(t.dtype)
         if (
             fresh
-            and t.numel() == n
+            and numel == n
             and t.storage_offset() == 0
             and t.is_contiguous()
             and value.is_contiguous()
@@ -351,11 +351,11 @@ class Mirror:
         else:  # the output does not cover its storage: the rest is what the device holds
             base = _storage_values(t, n).to(device=self.place(t.device), dtype=sd, copy=True)
             _write_region(base, t, value)
-        covers = t.numel() == n
         new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
-                     nonfinite if covers else nonfinite or any_nonfinite(_storage_values(t, n)))
+                     nonfinite if numel == n else nonfinite or any_nonfinite(_storage_values(t, n)))
         new.drift = drift
-        return self._keep(st, new)
+        self._put(key, new)
+        return new
 
     def commit_write(self, t: torch.Tensor, shadow_view: torch.Tensor, exact: bool, nonfinite: bool = False,
                      drift: float = 0.0) -> None:
