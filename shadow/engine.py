@@ -430,7 +430,7 @@ class Engine:
             if how is not None:
                 self._rewrite_shadow(how, outputs, verdict.compared)
         for o, c in zip(outputs.items, verdict.compared):
-            self._commit(p, o, c)
+            self._commit(p, o.device, o.written, c)
         cpu = self._cpu_error(p, outputs) if p.cpu is not None and kind is not Kind.RANDOM else None
         result = next((o.device for o in outputs.items if isinstance(o.device, torch.Tensor)), None)
         rec = self._record(plan, kind, args, kwargs, out, verdict=verdict, item=outputs.item, inputs=p.inputs,
@@ -473,11 +473,7 @@ class Engine:
             compared.append(self._figures(Compared(keep=s), d, s, lo, d.dtype, bound, ulps))
         verdict = self._verdict(p, compared, budget, None)
         for d, c in zip(devs, compared):
-            if plan.writes:
-                self.mirror.commit_write(d, c.keep, c.exact, c.nonfinite,
-                                         c.drift.rel_norm if c.drift is not None and not c.exact else 0.0)
-            else:
-                self._keep_fresh(p, d, c)
+            self._commit(p, d, bool(plan.writes), c)
         self._record(plan, kind, args, kwargs, out, verdict=verdict, inputs=p.inputs, result=devs[0],
                      nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift)
         return True
@@ -685,8 +681,8 @@ class Engine:
                                                          scratch=self.scratch))
 
     def _bounds(self, p: Prepared, budget: Budget | None) -> Budget | None:
-        """``budget`` with the bounds the comparisons read built (lazily built: a rule's failure there costs the
-        budget, None); budgets in ulps need none."""
+        """``budget`` once the bounds the comparisons read are built (bounds are built lazily: None when the rule
+        fails there, which costs the call its budget only); budgets in ulps need no bounds."""
         if budget is not None and budget.ulps is None:
             return self._guarded(p, budget, lambda: budget.compared)
         return budget
@@ -742,26 +738,22 @@ class Engine:
         return merged(stats)
 
     # --- committing: the shadows the mirror keeps ---
-    def _commit(self, p: Prepared, o: Output, c: Compared) -> None:
+    def _commit(self, p: Prepared, dev: Any, written: bool, c: Compared) -> None:
+        """Keep the shadow of one output ``dev``: a ``written`` argument's (in-place, out=) or a fresh return's."""
         if c.keep is None:
             return
-        m, dev = self.mirror, o.device
+        m = self.mirror
         if c.mismatch:  # the device's value, adopted
             m.assign(dev, c.keep, exact=True, fresh=True, nonfinite=any_nonfinite(dev))
             return
-        if o.written:
-            m.commit_write(dev, c.keep, c.exact, c.nonfinite,
-                           c.drift.rel_norm if c.drift is not None and not c.exact else 0.0)
+        drift = c.drift.rel_norm if c.drift is not None and not c.exact else 0.0
+        if written:
+            m.commit_write(dev, c.keep, c.exact, c.nonfinite, drift)
         else:
-            self._keep_fresh(p, dev, c)
-
-    def _keep_fresh(self, p: Prepared, dev: torch.Tensor, c: Compared) -> None:
-        """A fresh output's shadow kept (not an alias of an input's: it becomes its storage's shadow as it is)."""
-        m = self.mirror
-        e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
-                     nonfinite=c.nonfinite, drift=c.drift.rel_norm if c.drift is not None and not c.exact else 0.0)
-        if shadow_dtype_of(dev.dtype) is not None:
-            m.unobserved_write(dev, e)  # start tracking the new output's version counter
+            e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
+                         nonfinite=c.nonfinite, drift=drift)
+            if shadow_dtype_of(dev.dtype) is not None:
+                m.unobserved_write(dev, e)  # start tracking the new output's version counter
 
     # --- adoption and recording ---
     def _adopt_all(self, plan: OpPlan, args, kwargs, out) -> None:
