@@ -3,7 +3,8 @@
 One op call goes through four named steps: ``_prepare`` (before the device op: the shadow, local, pre-op
 and CPU argument sets, ``Prepared``), the replays (``shadow.replay``), ``_judge`` (the error figures of
 every ``Output``: comparisons, the budget, effective bits, the spot check: a ``Verdict``) and ``_commit``
-(the shadows kept in the mirror). Ground rules (README): the device's computation is never changed (shadow
+(the shadows kept in the mirror). Most calls conclude on the direct path (``_conclude_direct``), which skips
+``_judge``'s walk over every kind of output and shares its pieces. Ground rules (README): the device's computation is never changed (shadow
 only reads device tensors and works on its own copies with Python dispatch disabled, so no mode below
 sees it); no op it cannot replay and no error of its own ever reaches the user's program; every op is
 seen and recorded.
@@ -79,7 +80,7 @@ class Prepared:
     inputs: list[torch.Tensor] | None = None  # device tensors read (naming)
     storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
-    direct: bool = False  # the op's calls may conclude on the direct path (``Engine._direct``)
+    direct: bool = False  # the op's calls may conclude on the direct path (``_direct``)
 
     @property
     def reference(self) -> Args:
