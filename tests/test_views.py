@@ -47,6 +47,30 @@ def test_forward_and_backward_ops_point_at_the_users_line():
     assert sum(a.calls for a in rep.by_callsite.values()) == rep.coverage.calls
 
 
+def test_calls_autograd_gives_no_node_leave_the_backward_call_sites_alone():
+    """A forward call none of whose inputs requires grad, or one under no_grad, gets no autograd node: nothing waits
+    to take its line (``Attribution.where``'s ``grad``). Its record keeps its line, and the backward calls still take
+    their forward calls' lines."""
+    torch.manual_seed(0)
+    net, x = callsite_model.Net(), torch.randn(5, 8)
+    with ShadowMode(spot_checks="off") as sm:
+        x2 = x * 2
+        with torch.no_grad():
+            callsite_model.loss_of(net, x2)
+        callsite_model.loss_of(net, x2).backward()
+    rep = sm.report
+    assert [r.callsite for r in rep.find(op="gelu", phase="forward")] == [_line("gelu")] * 2
+    assert {r.callsite for r in rep.find(op="gelu_backward")} == {_line("gelu")}
+    bw_mm = rep.find(op="mm", phase="backward")
+    assert {r.callsite for r in bw_mm} == {_line("fc1"), _line("fc2")} and len(bw_mm) == 3
+    assert rep.find(op="mul", phase="other")[0].callsite.endswith(f"test_views.py:{_this_line('x2 = x * 2')}")
+
+
+def _this_line(text: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if line.strip() == text)
+
+
 def test_generated_code_freed_and_made_again_gets_its_own_line():
     """Code made at run time (exec, generated forwards) and dropped: a new code object may take a dead one's
     address, and call sites are looked up by id(code). Each op names its own generated file and line."""
