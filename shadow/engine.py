@@ -4,10 +4,10 @@ One op call goes through four named steps: ``_prepare`` (before the device op: t
 and CPU argument sets, ``Prepared``), the replays (``shadow.replay``), ``_judge`` (the error figures of
 every ``Output``: comparisons, the budget, effective bits, the spot check: a ``Verdict``) and ``_commit``
 (the shadows kept in the mirror). Most calls conclude on the direct path (``_conclude_direct``), which skips
-``_judge``'s walk over every kind of output and shares its pieces. Ground rules (README): the device's computation is never changed (shadow
-only reads device tensors and works on its own copies with Python dispatch disabled, so no mode below
-sees it); no op it cannot replay and no error of its own ever reaches the user's program; every op is
-seen and recorded.
+``_judge``'s walk over every kind of output and shares its pieces. Ground rules (README): the device's
+computation is never changed (shadow only reads device tensors and works on its own copies with Python dispatch
+disabled, so no mode below sees it); no op it cannot replay and no error of its own ever reaches the user's
+program; every op is seen and recorded.
 """
 
 from __future__ import annotations
@@ -425,7 +425,7 @@ class Engine:
         regions = defined_regions(plan, args, kwargs, out)
         verdict = self._judge(p, outputs, out, louts if p.local is not None else souts, regions)
         if at is None:
-            at = self.attr.where(plan.func, args, kwargs, out, self._index, _grad(p))
+            at = self.attr.where(plan.func, args, kwargs, out, self._index, p.inputs)
         if self.world is not None and kind is not Kind.RANDOM:
             how = self.world(plan.name, *at)
             if how is not None:
@@ -477,7 +477,7 @@ class Engine:
             self._commit(p, d, bool(plan.writes), c)
         self._record(plan, kind, args, kwargs, out, verdict=verdict, inputs=p.inputs, result=devs[0],
                      nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift,
-                     at=self.attr.where(plan.func, args, kwargs, out, self._index, _grad(p)))
+                     at=self.attr.where(plan.func, args, kwargs, out, self._index, p.inputs))
         return True
 
     def _rewrite_shadow(self, how: str, outputs: Outputs, compared: list[Compared]) -> None:
@@ -905,12 +905,6 @@ def _direct(plan: OpPlan, chain: tuple) -> bool:
         return len(plan.writes) == 1 and not plan.out_args and plan.declared_writes == {plan.writes[0].index} \
             and len(plan.returns) == 1 and plan.returns[0].aliases_write
     return all(r.is_tensor and not r.aliases_read and not r.aliases_write for r in plan.returns)
-
-
-def _grad(p: Prepared) -> bool:
-    """Whether autograd may give the call's outputs a node: grad mode is on (the user's, as seen inside the mode)
-    and some floating input requires grad."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in p.inputs)
 
 
 def _storages(tensors) -> set[int]:

@@ -48,9 +48,9 @@ def test_forward_and_backward_ops_point_at_the_users_line():
 
 
 def test_calls_autograd_gives_no_node_leave_the_backward_call_sites_alone():
-    """A forward call none of whose inputs requires grad, or one under no_grad, gets no autograd node: nothing waits
-    to take its line (``Attribution.where``'s ``grad``). Its record keeps its line, and the backward calls still take
-    their forward calls' lines."""
+    """A forward call none of whose inputs requires grad, or one under no_grad, gets no autograd node: nothing
+    waits to take its line (``Attribution.where``'s ``inputs``). Its record keeps its line, and the backward calls
+    still take their forward calls' lines."""
     torch.manual_seed(0)
     net, x = callsite_model.Net(), torch.randn(5, 8)
     with ShadowMode(spot_checks="off") as sm:

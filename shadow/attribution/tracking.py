@@ -400,11 +400,13 @@ class Attribution:
         return names
 
     def where(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any,
-              index: int = -1, grad: bool = True) -> tuple[str, Phase, str]:
+              index: int = -1, inputs: list[torch.Tensor] | None = None) -> tuple[str, Phase, str]:
         """(module, phase, call site) of the op call that just ran on the device (``index``: its record's):
         inside an optimizer step, the module is the parameter its arguments belong to (its fresh outputs then take
-        that name); the call site is "" with ``callsites=False``. ``grad``: autograd may give the outputs a node
-        (False: none to write a forward call's site into, unless an observer of the binding asks for every call)."""
+        that name); the call site is "" with ``callsites=False``. ``inputs``: the call's floating inputs, when the
+        caller knows them: where grad mode is off or none of them requires grad, autograd gives the outputs no node,
+        and no forward call site waits to be written into one (unless an observer of the bindings asks for every
+        call)."""
         sites = self.callsites
         if self._steps.optimizers:
             try:
@@ -418,7 +420,8 @@ class Attribution:
         if sites is None:
             return module, (Phase.FORWARD if module else Phase.OTHER), ""
         site = sites.here()
-        if grad or sites.on_bind is not None:
+        if inputs is None or sites.on_bind is not None or (torch.is_grad_enabled()
+                                                            and any(t.requires_grad for t in inputs)):
             sites.forward(out, site, index)
         else:
             sites.bind()  # the last forward call's outputs have their nodes by now; this one's will have none
