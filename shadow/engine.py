@@ -20,7 +20,7 @@ import torch
 
 from .attribution.adjoint import correctly_rounded
 from .attribution.tracking import Attribution
-from .budgets import Budget, budget_for, reads_overwritten
+from .budgets import Budget, budget_for, reads_arguments, reads_overwritten
 from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import _fused  # the numba kernels (None without numba)
@@ -72,7 +72,7 @@ class Prepared:
     chain: tuple
     shadow: Args | None = None  # the shadow inputs: the replay that drift is measured against
     local: Args | None = None  # the device's own inputs, upcast (None: every input is exact, the shadow serves)
-    pre: Args | None = None  # the local reference's inputs as before the op (budgets, spot checks)
+    pre: Args | None = None  # the local reference's inputs as before the op (budget rules that read them, spot checks)
     cpu: Args | None = None  # compare_cpu: the device's inputs on the CPU, in their own dtypes
     exact: bool = True  # every shadow input equals the device's: local error = drift
     nonfinite_in: bool = False  # some input's storage holds a NaN or an infinity
@@ -80,6 +80,7 @@ class Prepared:
     inputs: list[torch.Tensor] | None = None  # device tensors read (naming)
     storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
+    budget: bool = False  # its local error is held to the op's budget
     direct: bool = False  # the op's calls may conclude on the direct path (``_direct``)
 
     @property
@@ -330,7 +331,8 @@ class Engine:
         dtype = p.inputs[0].dtype if p.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
         p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
-        if p.spot or (self.opt.budgets and self.opt.local and dtype is not None):
+        p.budget = self.opt.budgets and self.opt.local and dtype is not None
+        if p.spot or (p.budget and reads_arguments(plan.func)):
             p.pre = self._pre_inputs(p)
         self._memory(plan)
         if self.opt.compare_cpu and self.opt.local and dtype is not None:
@@ -462,7 +464,7 @@ class Engine:
                 return False
         dtype = devs[0].dtype
         budget = None
-        if p.pre is not None and self.opt.budgets and self.opt.local:
+        if p.budget:
             budget = self._bounds(p, self._budget_of(p, [s if lo is None else lo for s, lo in zip(shs, los)], dtype))
         ulps = budget.ulps if budget is not None else None
         compared = []
@@ -553,7 +555,7 @@ class Engine:
         the spot check of the reference, whose untrusted elements are replaced by their exact values first.
         ``regions``: per output slot, the elements the op defines (``shadow.replay.defined``); only those are
         compared."""
-        budget = self._budget(p, outputs) if p.pre is not None and self.opt.budgets and self.opt.local else None
+        budget = self._budget(p, outputs) if p.budget else None
         if p.spot:  # a sum's bound ranks the samples: built before the check, from the reference as it was
             if budget is not None and budget.of_sum:
                 budget = self._guarded(p, budget, lambda: budget.bound)
@@ -679,7 +681,9 @@ class Engine:
     def _budget_of(self, p: Prepared, references: list, dtype: torch.dtype) -> Budget | None:
         """The budget of the references by output slot (None where an output is absent) in the device ``dtype``;
         None when its rule failed."""
-        return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, references, dtype,
+        # no inputs kept where the op's budget reads no argument (reads_arguments)
+        args, kwargs = (p.pre.args, p.pre.kwargs) if p.pre is not None else (None, None)
+        return self._guarded(p, None, lambda: budget_for(p.plan.func, args, kwargs, references, dtype,
                                                          scratch=self.scratch))
 
     def _bounds(self, p: Prepared, budget: Budget | None) -> Budget | None:

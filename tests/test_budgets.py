@@ -26,7 +26,9 @@ from shadow.budgets import (
     Budget,
     budget_for,
     effective_bits,
+    InUlps,
     gamma,
+    reads_arguments,
     reads_overwritten,
     register_budget,
     register_budget_predicate,
@@ -269,6 +271,39 @@ def test_reads_overwritten_of_a_new_rule(registry):
     assert not reads_overwritten(op)  # the default promises not to read either
     register_budget_predicate(lambda plan: plan.func is op)(lambda c: NotImplemented)
     assert reads_overwritten(op)  # a rule that may answer and made no promise
+
+
+_X = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("op,args,reads", [
+    (aten.mul.Tensor, (_X, _X), False), (aten.exp.default, (_X,), False), (aten.copy.default, (_X, _X), False),
+    (aten.histc.default, (_X,), False),  # ulps of the class; movement; the default
+    (aten.gelu.default, (_X,), True), (aten.add.Tensor, (_X, _X), True), (aten.sum.default, (_X,), True),
+])
+def test_budgets_that_read_no_argument_are_built_without_them(op, args, reads):
+    # the engine keeps no inputs before the op for an InUlps rule: budget_for builds the same budget without them
+    r = op(*args)
+    assert reads_arguments(op) is reads
+    given = budget_for(op, args, {}, [r], torch.float32)
+    if reads:
+        with pytest.raises(TypeError, match="reads_arguments"):
+            budget_for(op, None, None, [r], torch.float32)
+        return
+    alone = budget_for(op, None, None, [r], torch.float32)
+    assert (alone.family, alone.ulps, alone.is_default) == (given.family, given.ulps, given.is_default)
+    assert torch.equal(alone.bound[0], given.bound[0]) and alone.bound[0].gt(0).all()
+
+
+def test_reads_arguments_follows_the_rule_that_answers(registry):
+    op = aten.histc.default
+    register_budget(op, reads_overwritten=False)(InUlps("mine", 8.0))
+    assert not reads_arguments(op)
+    b = budget_for(op, None, None, [_X], torch.bfloat16)  # bfloat16's spacing: 2**-8 at 0.5, 2**-6 at 2 and 3
+    assert (b.family, b.ulps) == ("mine", 8.0) and b.bound[0].tolist() == [8 * 2.0**-8, 8 * 2.0**-6, 8 * 2.0**-6]
+    other = aten.histc.out
+    register_budget(other)(lambda c: c.ulps("mine", 8.0))
+    assert reads_arguments(other)  # a function of the call may read anything
 
 
 # --- running ops under ShadowMode: each record's local error against its budget, as the engine judged it ---

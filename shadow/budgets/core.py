@@ -5,8 +5,8 @@ A rule is a pure function of a :class:`BudgetCall` (the op's arguments by schema
 inputs upcast exactly to float64, the float64 reference outputs, the device dtype and its unit
 roundoffs) that returns a :class:`Budget`, or ``NotImplemented`` to fall through. Lookup order
 (``shadow.rules.RuleTable``): the exact op, then predicates on the op's plan in registration order, then
-:func:`default_budget`. The derivations and the error model behind :func:`effective_bits`:
-docs/budgets.md.
+the default (``DEFAULT_ULPS`` ulps, an :class:`InUlps`). The derivations and the error model behind
+:func:`effective_bits`: docs/budgets.md.
 
 >>> x = torch.tensor([1.0, 2.0], dtype=torch.float64)
 >>> budget_for(aten.exp.default, (x,), {}, [x.exp()], torch.bfloat16).family
@@ -273,10 +273,13 @@ class Budget:
         """:func:`effective_bits` of an observed sum of squared errors under this op's scales.
         ``reference_sq``: (elements, sum r**2) of the one output, all finite, when the comparison summed them
         already: the default scale is then not read again (a pass over the output)."""
-        floats = [r for r in self._outputs if is_float(r)]
-        n = sum(r.numel() for r in floats)
-        if self._scale_sq is None and reference_sq is not None and len(floats) == 1 and n == reference_sq[0]:
-            self._scale_sq = (reference_sq[1], 0.0)
+        outs = self._outputs
+        if len(outs) == 1 and is_float(outs[0]):  # most calls: n is the reference's
+            n = outs[0].numel()
+            if self._scale_sq is None and reference_sq is not None and n == reference_sq[0]:
+                self._scale_sq = (reference_sq[1], 0.0)
+        else:
+            n = sum(r.numel() for r in outs if is_float(r))
         s, acc = self.scales()
         return effective_bits(err_sq_sum, s, acc, self._dtype, n)
 
@@ -470,15 +473,28 @@ class BudgetRule:
         return self.fn(c)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class InUlps:
+    """The rule "``ulps`` units in the last place of every result, whatever the arguments": it reads none, so
+    :func:`budget_for` builds its budget without a ``BudgetCall`` and the engine keeps no inputs for it
+    (:func:`reads_arguments`), which is most elementwise ops' and the default's."""
+
+    family: str
+    ulps: float
+    is_default: bool = False
+
+    def __call__(self, c: BudgetCall) -> Budget:
+        return self.budget(c.outputs, c.dtype)
+
+    def budget(self, outputs: Sequence[Any], dtype: torch.dtype) -> Budget:
+        return Budget.in_ulps(self.family, self.ulps, outputs, dtype, is_default=self.is_default)
+
+
 # The default: an op no rule knows. A few ulps of the result, flagged so reports can tell the guess apart.
 DEFAULT_ULPS = 4.0
 
-
-def default_budget(c: BudgetCall) -> Budget:
-    return Budget.in_ulps("default", DEFAULT_ULPS, c.outputs, c.dtype, is_default=True)
-
-
-BUDGETS: RuleTable[BudgetRule] = RuleTable("budget", default=BudgetRule(default_budget, reads_overwritten=False))
+BUDGETS: RuleTable[BudgetRule] = RuleTable(
+    "budget", default=BudgetRule(InUlps("default", DEFAULT_ULPS, is_default=True), reads_overwritten=False))
 
 
 def register_budget(*ops: OpOverload, reads_overwritten: bool = True) -> Callable[[Rule], Rule]:
@@ -522,12 +538,12 @@ def overloads(*names: str) -> list[OpOverload]:
     return ops
 
 
-def budget_for(func: OpOverload, args: Sequence, kwargs: dict, outputs: Sequence[Any] | Any,
+def budget_for(func: OpOverload, args: Sequence | None, kwargs: dict | None, outputs: Sequence[Any] | Any,
                dtype: torch.dtype, *, scratch: Any = None) -> Budget:
     """The budget of one call of ``func``.
 
     ``args``/``kwargs``: the op's device inputs upcast exactly to float64 on the CPU, as *before* the op
-    ran (in-place ops overwrite them); ``outputs``: the float64 reference results, flattened (a single
+    ran (in-place ops overwrite them; ``args=None`` where :func:`reads_arguments` is false); ``outputs``: the float64 reference results, flattened (a single
     tensor is accepted); ``dtype``: the device dtype the error is measured in (the output's); ``scratch``: a
     ``shadow.scratch.Scratch`` the bounds' large temporaries may use (the engine's).
 
@@ -543,9 +559,24 @@ def budget_for(func: OpOverload, args: Sequence, kwargs: dict, outputs: Sequence
             break
     else:  # nothing to bound
         return Budget.in_ulps("empty", 0.0, outputs, dtype)
+    rule = BUDGETS.chain(func)[0].fn
+    if isinstance(rule, InUlps):  # it answers every call, reading no argument
+        return rule.budget(outputs, dtype)
+    if args is None:
+        raise TypeError(f"budget_for({func}): its budget rule reads the op's arguments (reads_arguments): pass them")
     call = BudgetCall(plan_of(func), args, kwargs, list(outputs), dtype, unit_roundoff(dtype),
                       unit_roundoff(accumulation_dtype(dtype)), scratch)
     return BUDGETS.run(func, call)
+
+
+def reads_arguments(func: OpOverload) -> bool:
+    """Whether the budget of ``func``'s calls depends on its arguments: false when the rule that answers is an
+    :class:`InUlps`, whose budget ``budget_for`` builds from the outputs alone (``args=None``).
+
+    >>> reads_arguments(aten.mul.Tensor), reads_arguments(aten.mm.default)
+    (False, True)
+    """
+    return not isinstance(BUDGETS.chain(func)[0].fn, InUlps)
 
 
 def reads_overwritten(func: OpOverload) -> bool:

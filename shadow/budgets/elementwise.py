@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..opsets import DATA_MOVEMENT, PARTIAL_WRITES, SELECTION, VIEW_COPIES
-from .core import (Budget, BudgetCall, is_float, magnitude, overloads, register_budget,
+from .core import (Budget, BudgetCall, InUlps, is_float, magnitude, overloads, register_budget,
                    register_budget_predicate)
 
 # Data movement and selection: a correct kernel returns its inputs' values exactly; the one rounding it may
@@ -59,14 +59,10 @@ POLYNOMIALS = (
 REFLECTED = ("lgamma", "digamma", "polygamma")  # special functions with a reflection formula for x < 0
 
 
-def ulps_rule(c: BudgetCall, *, family: str, ulps: float) -> Budget:
-    """``ulps`` units in the last place of the result: an elementwise kernel given exact inputs."""
-    return c.ulps(family, ulps)
-
-
 def register_ulps(ops: Iterable, family: str, ulps: float) -> None:
-    """Bound ``ops`` by ``ulps`` units in the last place of the result (a rule that reads no argument)."""
-    register_budget(*ops, reads_overwritten=False)(functools.partial(ulps_rule, family=family, ulps=ulps))
+    """Bound ``ops`` by ``ulps`` units in the last place of the result (``InUlps``: a rule that reads no
+    argument): an elementwise kernel given exact inputs."""
+    register_budget(*ops, reads_overwritten=False)(InUlps(family, ulps))
 
 
 def with_operand_term(c: BudgetCall, ulps: float, term: Callable[[], Any], alpha: float = 1.0, op: str = "",
@@ -181,7 +177,6 @@ def linspace_budget(c: BudgetCall) -> Budget:
         for r in outs])
 
 
-@register_budget_predicate(lambda plan: torch.Tag.pointwise in plan.tags, reads_overwritten=False)
-def pointwise_budget(c: BudgetCall) -> Budget:
-    """Pointwise ops no family names (tagged ``torch.Tag.pointwise``)."""
-    return c.ulps("elementwise", ULPS["pointwise"])
+# pointwise ops no family names (tagged ``torch.Tag.pointwise``)
+register_budget_predicate(lambda plan: torch.Tag.pointwise in plan.tags, reads_overwritten=False)(
+    InUlps("elementwise", ULPS["pointwise"]))
