@@ -443,11 +443,11 @@ class Engine:
 
     def _conclude_direct(self, p: Prepared, args, kwargs, out, kind: Kind, souts, louts) -> bool:
         """``_conclude`` for the common case, the direct path: a call of a functional or in-place op (``_direct``)
-        whose outputs are all floating strided tensors reproduced in shape by the replay, with no spot check,
-        ablation world, observer or CPU comparison. The same figures, shadows and record as the general path,
+        whose outputs are all floating strided tensors reproduced in shape by the replay, with no ablation world,
+        observer or CPU comparison. The same figures, shadows and record as the general path,
         without its walk over written arguments, numbers and defined regions; False (nothing done) for any other
         call."""
-        if p.spot or p.cpu is not None or self.world is not None or self._observe is not None:
+        if p.cpu is not None or self.world is not None or self._observe is not None:
             return False
         plan = p.plan
         if plan.writes:  # in place on one argument: it is the output
@@ -463,9 +463,12 @@ class Engine:
                     or d.is_nested or s.dtype != shadow_dtype_of(d.dtype) or s.shape != d.shape or d._is_zerotensor():
                 return False
         dtype = devs[0].dtype
-        budget = None
+        budget = spot = None
         if p.budget:
-            budget = self._bounds(p, self._budget_of(p, [s if lo is None else lo for s, lo in zip(shs, los)], dtype))
+            budget = self._budget_of(p, [s if lo is None else lo for s, lo in zip(shs, los)], dtype)
+        if p.spot:
+            budget, spot = self._spot_check(p, out, louts if p.local is not None else souts, dtype, budget)
+        budget = self._bounds(p, budget)
         ulps = budget.ulps if budget is not None else None
         compared = []
         for i, (d, s, lo) in enumerate(zip(devs, shs, los)):
@@ -474,7 +477,7 @@ class Engine:
                 bounds = budget.compared
                 bound = bounds[i] if i < len(bounds) else None
             compared.append(self._figures(Compared(keep=s), d, s, lo, d.dtype, bound, ulps))
-        verdict = self._verdict(p, compared, budget, None)
+        verdict = self._verdict(p, compared, budget, spot)
         for d, c in zip(devs, compared):
             self._commit(p, d, bool(plan.writes), c)
         self._record(plan, kind, args, kwargs, out, verdict=verdict, inputs=p.inputs, result=devs[0],
@@ -556,17 +559,9 @@ class Engine:
         ``regions``: per output slot, the elements the op defines (``shadow.replay.defined``); only those are
         compared."""
         budget = self._budget(p, outputs) if p.budget else None
-        if p.spot:  # a sum's bound ranks the samples: built before the check, from the reference as it was
-            if budget is not None and budget.of_sum:
-                budget = self._guarded(p, budget, lambda: budget.bound)
-            try:
-                spot = self._spot_check(p, out, refs, outputs.dtype, budget)
-            except Exception as exc:  # a spot check's failure costs the op its spot check, not its figures
-                self.report.internal_error(f"spot check of {p.plan.name}",
-                                           f"internal error: {type(exc).__name__}: {exc}"[:240])
-                spot = None
-        else:
-            spot = None
+        spot = None
+        if p.spot:
+            budget, spot = self._spot_check(p, out, refs, outputs.dtype, budget)
         budget = self._bounds(p, budget)
         compared = []
         for o in outputs.items:
@@ -703,7 +698,21 @@ class Engine:
             return None
         return built if value is None else value
 
-    def _spot_check(self, p: Prepared, out: Any, refs: Any, dtype: torch.dtype, budget: Budget | None):
+    def _spot_check(self, p: Prepared, out: Any, refs: Any, dtype: torch.dtype, budget: Budget | None
+                    ) -> tuple[Budget | None, SpotStats | None]:
+        """The call's spot check, before its comparisons: (``budget``, its ``SpotStats``), or (``budget``, None)
+        where the check failed (a bug of shadow's costs the op its spot check, not its figures), and None for the
+        budget where building the bound of a sum failed."""
+        if budget is not None and budget.of_sum:  # its bound ranks the samples: built from the reference as it was
+            budget = self._guarded(p, budget, lambda: budget.bound)
+        try:
+            return budget, self._check(p, out, refs, dtype, budget)
+        except Exception as exc:
+            self.report.internal_error(f"spot check of {p.plan.name}",
+                                       f"internal error: {type(exc).__name__}: {exc}"[:240])
+            return budget, None
+
+    def _check(self, p: Prepared, out: Any, refs: Any, dtype: torch.dtype, budget: Budget | None) -> SpotStats:
         """mpmath check of sampled elements of the float64 reference the local error is measured against;
         untrusted elements of that reference are overwritten with their exact values. With the budget of a
         sum (``Budget.of_sum``), bound / |reference| is the condition estimate that picks the first samples
