@@ -173,7 +173,7 @@ class Reference:
             raise call.fail(f"output {output}: the reference computes outputs 0..{self.outputs - 1}")
         with working_precision(bits):
             try:
-                return self.rule(call, tuple(int(i) for i in index))
+                return self.rule(call, tuple(map(int, index)))
             except Uncovered as exc:
                 raise call.fail(str(exc)) from exc
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import mpmath
 import numpy as np
 import torch
-from mpmath.libmp import from_float, mpf_mul, mpf_pos, mpf_shift, mpf_sum, round_nearest, to_float, to_int
+from mpmath.libmp import from_float, mpf_abs, mpf_mul, mpf_pos, mpf_shift, mpf_sum, round_nearest, to_float, to_int
 
 from ..metrics import host
 
@@ -68,12 +68,15 @@ class working_precision:  # a context manager named as a function: a class costs
         self._bits = bits
 
     def __enter__(self) -> int:
-        self._old = mpmath.mp.prec
-        mpmath.mp.prec = self._bits + GUARD_BITS
-        return mpmath.mp.prec
+        self._old = old = mpmath.mp.prec
+        prec = self._bits + GUARD_BITS
+        if prec != old:  # nested at the same precision (a spot check's elements): setting it costs 0.4 us
+            mpmath.mp.prec = prec
+        return prec
 
     def __exit__(self, *exc: object) -> None:
-        mpmath.mp.prec = self._old
+        if mpmath.mp.prec != self._old:
+            mpmath.mp.prec = self._old
 
 
 def to_float64(x: mpmath.mpf) -> float:
@@ -124,6 +127,9 @@ class Exact:
 
     @property
     def cancellation(self) -> float:
+        raw = mpf_abs(self.value._mpf_)
+        if raw[1] and raw == self.magnitude._mpf_:  # a finite nonzero value that is its own magnitude (plain)
+            return 1.0
         v = abs(self.value)
         if v == 0:
             return math.inf if self.magnitude > 0 else 1.0

@@ -79,9 +79,10 @@ def _count_value(where: str, v: Any) -> int | str:
 
 
 class _OpState:
-    __slots__ = ("calls", "escalate_left", "planned")
+    __slots__ = ("calls", "escalate_left", "planned", "sampled")
 
-    def __init__(self) -> None:
+    def __init__(self, sampled: bool) -> None:
+        self.sampled = sampled  # the op has a reference rule and a count above 0: its calls may get samples
         self.calls = 0  # wants() calls: the call number that seeds the samples
         self.planned: int | None = None  # the call number wants() said yes to, until check() uses it
         self.escalate_left = 0  # next calls that get escalated samples
@@ -204,22 +205,22 @@ class SpotPolicy:
     def _state(self, op_name: str) -> _OpState:
         st = self._ops.get(op_name)
         if st is None:
-            st = self._ops[op_name] = _OpState()
+            st = self._ops[op_name] = _OpState(self.config.count_for(op_name) != 0 and self._checkable_name(op_name))
         return st
 
     def wants(self, op_name: str) -> bool:
         """Whether this call of ``op_name`` gets samples (then snapshot the inputs an in-place op
         overwrites, and call ``check``). Deterministic: the op's call count decides, never a clock.
         Ops without a reference rule are never wanted (``check`` still explains them)."""
-        if self.config.mode == "off":  # no call is ever checked: nothing to count
+        config = self.config
+        if config.mode == "off":  # no call is ever checked: nothing to count
             return False
-        self._budget = min(self.config.escalation_budget_us, self._budget + self.config.escalation_refill_us)
+        budget = self._budget + config.escalation_refill_us  # asked once per call: comparisons, not min()
+        self._budget = budget if budget < config.escalation_budget_us else config.escalation_budget_us
         st = self._state(op_name)
         st.calls += 1
-        n = self.config.count_for(op_name)
-        if n == 0 or not self._checkable_name(op_name) or (
-                self.config.mode == "default" and st.calls > EVERY_CALL_FIRST and not st.escalate_left
-                and not drawn(self.config.seed, op_name, st.calls, THEN_ONE_IN)):
+        if not st.sampled or (config.mode == "default" and st.calls > EVERY_CALL_FIRST and not st.escalate_left
+                              and not drawn(config.seed, op_name, st.calls, THEN_ONE_IN)):
             st.planned = None
             return False
         st.planned = st.calls

@@ -12,16 +12,17 @@ from typing import Any
 
 import mpmath
 import torch
-from mpmath.libmp import from_float, mpf_abs, mpf_sub, round_nearest, to_float
+from mpmath.libmp import finf, fnan, fninf, from_float, mpf_abs, mpf_sub, round_nearest, to_float
 
 from ..errors import NoReference
 from ..metrics import precision_bits
-from ..references import DEFAULT_BITS, Exact, reference_for, to_float64
+from ..references import DEFAULT_BITS, Exact, reference_for, to_float64, working_precision
 
 aten = torch.ops.aten
 
 RISK_FACTOR = 2.0**10  # roundings of float64 error (2**-53 * magnitude) that must fit in the trust tolerance
 TRUST_RATIO = 0.01  # the reference may err by at most 1% of the device's error
+_NONFINITE = (finf, fninf, fnan)  # mpf tuples
 _mpmath_lock = threading.Lock()  # mpmath's precision is process-wide; backward may run on other threads
 
 
@@ -144,7 +145,8 @@ def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index:
     trusted = ref_abs <= tol
     # float64's typical error here is 2**-53 * magnitude; escalate while RISK_FACTOR of them would not fit
     # in the tolerance (a device dtype as precise as float64 has no headroom to escalate over)
-    mag = to_float(mpf_abs(e.magnitude._mpf_)) if mpmath.isfinite(e.magnitude) else abs(xf)
+    raw = e.magnitude._mpf_
+    mag = to_float(mpf_abs(raw)) if raw not in _NONFINITE else abs(xf)
     risky = not trusted or (precision_bits(dtype) < 52 and RISK_FACTOR * math.ldexp(mag, -53) > tol)
     return Sample(output, index, xf, r, y, ref_ulp, _in_ulps(dev_abs, sd), dev_abs, c, trusted, risky)
 
@@ -198,7 +200,7 @@ def spot_check(
         by_output.setdefault(k, []).append(flat)
     samples: list[Sample] = []
     why = ""
-    with _mpmath_lock:
+    with _mpmath_lock, working_precision(bits):  # the rule's own precision, set once for every element
         for k, flats in by_output.items():
             dev, r = device_outputs[k], reference_outputs[k]
             shape = tuple(r.shape)
@@ -220,12 +222,17 @@ def summarize(samples: list[Sample], why: str) -> SpotStats:
     """The ``SpotStats`` of a call's checked samples (``why``: the reason when there are none)."""
     if not samples:
         return SpotStats(reason=why or "no element could be checked")
-    finite_dev = [s for s in samples if not math.isnan(s.device_err_ulp)]
-    return SpotStats(
-        samples=len(samples),
-        ref_err_ulp=max(s.ref_err_ulp for s in samples),
-        device_err_ulp=max((s.device_err_ulp for s in finite_dev), default=0.0),
-        device_err_abs=max((s.device_err_abs for s in finite_dev), default=0.0),
-        max_cancellation=max(s.cancellation for s in samples),
-        trusted=all(s.trusted for s in samples),
-    )
+    first = samples[0]  # one loop of comparisons: max() of each figure, as it picks them
+    stats = SpotStats(samples=len(samples), ref_err_ulp=first.ref_err_ulp, max_cancellation=first.cancellation)
+    for s in samples:
+        if s.ref_err_ulp > stats.ref_err_ulp:
+            stats.ref_err_ulp = s.ref_err_ulp
+        if s.cancellation > stats.max_cancellation:
+            stats.max_cancellation = s.cancellation
+        if not math.isnan(s.device_err_ulp):  # finite device values only (their errors are >= 0)
+            if s.device_err_ulp > stats.device_err_ulp:
+                stats.device_err_ulp = s.device_err_ulp
+            if s.device_err_abs > stats.device_err_abs:
+                stats.device_err_abs = s.device_err_abs
+        stats.trusted = stats.trusted and s.trusted
+    return stats
