@@ -198,7 +198,9 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: Any = N
     complex_ = y.is_complex() or r.is_complex()
     on_device = _off_cpu(r)  # a reference where the shadows live off the CPU (shadow_device=)
     # complex results: numpy (the modulus is a pass of its own; rare)
-    if n > _LOOP_FUSED and _fused is not None and not complex_ and not on_device:
+    # a formula is formed where the fused pass reads r: the loop would need its tensor first, three passes of torch
+    if (n > _LOOP_FUSED or not (bound is None or isinstance(bound, torch.Tensor))) and _fused is not None \
+            and not complex_ and not on_device:
         return _compare_fused(y, r, dtype, n, bound)
     if bound is not None and not isinstance(bound, torch.Tensor):  # a formula: its tensor
         bound = bound.tensor(r)
