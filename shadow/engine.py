@@ -305,7 +305,9 @@ class Engine:
     # --- before the device op ---
     def _prepare(self, plan: OpPlan, chain: tuple, direct: bool, args: tuple, kwargs: dict) -> Prepared:
         p = Prepared(plan, chain, inputs=[], storages=set(), direct=direct)
-        self.trim_scratch()
+        cap = self.opt.max_shadow_bytes
+        if cap is not None:
+            self.trim_scratch()
         read: dict[int, torch.Tensor] = {}  # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
 
         def shadow(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
@@ -334,7 +336,8 @@ class Engine:
         p.budget = self.opt.budgets and self.opt.local and dtype is not None
         if p.spot or (p.budget and reads_arguments(plan.func)):
             p.pre = self._pre_inputs(p)
-        self._memory(plan)
+        if cap is not None:
+            self._memory(plan)
         if self.opt.compare_cpu and self.opt.local and dtype is not None:
             a, kw = plan.map_tensors(args, kwargs, lambda t, _: t.detach().to("cpu", copy=True))  # the kernel may write
             for spec in plan.remap_args:
@@ -416,12 +419,11 @@ class Engine:
             return
         louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out, scratch=self.scratch))[1] \
             if p.local is not None else None
-        self._conclude(p, args, kwargs, out, kind, souts, louts)
+        if not (p.direct and self._conclude_direct(p, args, kwargs, out, kind, souts, louts)):
+            self._conclude(p, args, kwargs, out, kind, souts, louts)
 
     def _conclude(self, p: Prepared, args, kwargs, out, kind: Kind, souts, louts, at: tuple | None = None) -> None:
-        """Judge, commit and record a replayed call."""
-        if p.direct and at is None and self._conclude_direct(p, args, kwargs, out, kind, souts, louts):
-            return
+        """Judge, commit and record a replayed call on the general path (``at``: where a deferred call was made)."""
         plan = p.plan
         outputs = self._outputs(p, args, kwargs, out, souts, louts)
         regions = defined_regions(plan, args, kwargs, out)

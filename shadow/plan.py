@@ -170,7 +170,8 @@ class OpPlan:
             if v is None:
                 continue
             if spec.type is ArgType.TENSOR:
-                spec.put(args, kwargs, fn(v, spec) if isinstance(v, torch.Tensor) else v)
+                if isinstance(v, torch.Tensor):  # else a number where the schema takes a tensor: kept
+                    spec.put(args, kwargs, fn(v, spec))
             elif spec.type is ArgType.TENSOR_LISTS:
                 spec.put(args, kwargs, [[fn(t, spec) if isinstance(t, torch.Tensor) else t for t in inner]
                                         for inner in v])
