@@ -38,6 +38,10 @@ from .spot import SpotPolicy, SpotStats
 from .spot.sampling import top_positions
 
 _INF = math.inf
+# the engine's frames below __torch_dispatch__ on the direct path (_conclude_direct, _finish, dispatch): its call of
+# Attribution.where starts the call-site walk above them (tests/test_engine.py holds its call sites to the general
+# path's, which walks every frame)
+_DIRECT_FRAMES = 3
 # Shadow's own work must reach no dispatch mode (none below sees it, the engine records none of its ops). It
 # records no autograd graph either: every tensor it makes is a detached copy (mirror.upcast; copying a lazy
 # module's uninitialized parameter with autograd on created its gradient accumulator with the wrong shape).
@@ -484,7 +488,7 @@ class Engine:
             self._commit(p, d, bool(plan.writes), c)
         self._record(plan, kind, args, kwargs, out, verdict=verdict, inputs=p.inputs, result=devs[0],
                      nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift,
-                     at=self.attr.where(plan.func, args, kwargs, out, self._index, p.inputs))
+                     at=self.attr.where(plan.func, args, kwargs, out, self._index, p.inputs, _DIRECT_FRAMES))
         return True
 
     def _rewrite_shadow(self, how: str, outputs: Outputs, compared: list[Compared]) -> None:

@@ -294,8 +294,10 @@ class _Callsites:
         # (record index, its outputs that have an autograd node now), once per forward op (shadow.attribution.adjoint)
         self.on_bind: Callable[[int, list[torch.Tensor]], None] | None = None
 
-    def here(self) -> str:
-        f = sys._getframe(2)
+    def here(self, skip: int = 0) -> str:
+        """The call site of the op being dispatched: the first frame outside torch and shadow, walking up from the
+        caller of ``here``'s caller, ``skip`` frames above it (frames of shadow's own the walk need not classify)."""
+        f = sys._getframe(2 + skip)
         internal, names = self._internal, self._names
         while f is not None:
             code = f.f_code
@@ -400,13 +402,13 @@ class Attribution:
         return names
 
     def where(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any,
-              index: int = -1, inputs: list[torch.Tensor] | None = None) -> tuple[str, Phase, str]:
+              index: int = -1, inputs: list[torch.Tensor] | None = None, skip: int = 0) -> tuple[str, Phase, str]:
         """(module, phase, call site) of the op call that just ran on the device (``index``: its record's):
         inside an optimizer step, the module is the parameter its arguments belong to (its fresh outputs then take
         that name); the call site is "" with ``callsites=False``. ``inputs``: the call's floating inputs, when the
         caller knows them: where grad mode is off or none of them requires grad, autograd gives the outputs no node,
         and no forward call site waits to be written into one (unless an observer of the bindings asks for every
-        call)."""
+        call). ``skip``: frames of shadow's own above the caller that the call-site walk may jump over."""
         sites = self.callsites
         if self._steps.optimizers:
             try:
@@ -419,7 +421,7 @@ class Attribution:
             return module, Phase.BACKWARD, sites.backward() if sites is not None else ""
         if sites is None:
             return module, (Phase.FORWARD if module else Phase.OTHER), ""
-        site = sites.here()
+        site = sites.here(skip)
         if inputs is None or sites.on_bind is not None or (torch.is_grad_enabled()
                                                             and any(t.requires_grad for t in inputs)):
             sites.forward(out, site, index)
