@@ -85,7 +85,7 @@ class Aggregate:
         if rec.spot is not None and rec.spot.checked:
             self.spot_checked += 1
             self.spot_untrusted += not rec.spot.trusted
-        nf = rec.nonfinite + (rec.local.nonfinite if rec.local is not None else 0)
+        nf = (drift.nonfinite if drift is not None else 0) + (local.nonfinite if local is not None else 0)
         if nf:
             self.nonfinite += nf
             if self.first_nonfinite is None:

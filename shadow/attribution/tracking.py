@@ -267,6 +267,13 @@ class _StepNames:
                 self._storages[key] = name
 
 
+def _any_requires_grad(tensors: list[torch.Tensor]) -> bool:
+    for t in tensors:  # a loop: any() of a generator costs more than the one or two inputs most calls have
+        if t.requires_grad:
+            return True
+    return False
+
+
 def _storage(t: torch.Tensor) -> int | None:
     """A tensor's storage (None: meta, sparse or nested tensors, which have none to name)."""
     if t.is_meta or t.layout != torch.strided or t.is_nested:
@@ -422,8 +429,7 @@ class Attribution:
         if sites is None:
             return module, (Phase.FORWARD if module else Phase.OTHER), ""
         site = sites.here(skip)
-        if inputs is None or sites.on_bind is not None or (torch.is_grad_enabled()
-                                                            and any(t.requires_grad for t in inputs)):
+        if inputs is None or sites.on_bind is not None or (torch.is_grad_enabled() and _any_requires_grad(inputs)):
             sites.forward(out, site, index)
         else:
             sites.bind()  # the last forward call's outputs have their nodes by now; this one's will have none
