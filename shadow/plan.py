@@ -96,6 +96,7 @@ _REMAP_TYPES = {"int", "Optional[int]", "Device", "Optional[Device]"}
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class OpPlan:
     func: torch._ops.OpOverload
+    call: Callable[..., Any]  # func's own entry (OpOverload._op) for the replays: func adds a Python frame (0.2 us)
     name: str  # "aten.addmm.default"
     op_name: str  # the schema name without namespace and overload: "add_" for aten.add_.Tensor
     base: str  # ... without an in-place op's trailing underscore: "add"
@@ -213,6 +214,7 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
     op_name = schema.name.split("::")[-1]
     return OpPlan(
         func=func,
+        call=getattr(func, "_op", func),
         name=f"{func.namespace}.{op_name}.{func._overloadname}",
         op_name=op_name,
         base=op_name[:-1] if op_name.endswith("_") and not op_name.endswith("__") else op_name,

@@ -89,7 +89,7 @@ def pooled_call(plan: OpPlan, args: list, kwargs: dict, scratch: Any, nbytes: in
     chain = () if scratch is None or plan.writes or len(plan.returns) != 1 or not scratch.pools(nbytes) \
         else WRITERS.chain(plan.func)
     if not chain or any(not t.is_cpu for _, t in plan.tensors(args, kwargs)):
-        return plan.func(*args, **kwargs)
+        return plan.call(*args, **kwargs)
     try:
         a, kw = plan.map_tensors(args, kwargs, lambda t, _: torch.empty_strided(
             t.shape, t.stride(), dtype=t.dtype, device="meta"))
