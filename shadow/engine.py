@@ -450,9 +450,8 @@ class Engine:
     def _conclude_direct(self, p: Prepared, args, kwargs, out, kind: Kind, souts, louts) -> bool:
         """``_conclude`` for the common case, the direct path: a call of a functional or in-place op (``_direct``)
         whose outputs are all floating strided tensors reproduced in shape by the replay, with no ablation world,
-        observer or CPU comparison. The same figures, shadows and record as the general path,
-        without its walk over written arguments, numbers and defined regions; False (nothing done) for any other
-        call."""
+        observer or CPU comparison. The same figures, shadows and record as the general path, without its walk over
+        written arguments, numbers and defined regions; False (nothing done) for any other call."""
         if p.cpu is not None or self.world is not None or self._observe is not None:
             return False
         plan = p.plan

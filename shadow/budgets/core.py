@@ -543,9 +543,10 @@ def budget_for(func: OpOverload, args: Sequence | None, kwargs: dict | None, out
     """The budget of one call of ``func``.
 
     ``args``/``kwargs``: the op's device inputs upcast exactly to float64 on the CPU, as *before* the op
-    ran (in-place ops overwrite them; ``args=None`` where :func:`reads_arguments` is false); ``outputs``: the float64 reference results, flattened (a single
-    tensor is accepted); ``dtype``: the device dtype the error is measured in (the output's); ``scratch``: a
-    ``shadow.scratch.Scratch`` the bounds' large temporaries may use (the engine's).
+    ran (in-place ops overwrite them; None where :func:`reads_arguments` is false); ``outputs``: the float64
+    reference results, flattened (a single tensor is accepted); ``dtype``: the device dtype the error is
+    measured in (the output's); ``scratch``: a ``shadow.scratch.Scratch`` the bounds' large temporaries may use
+    (the engine's).
 
     >>> a = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]], dtype=torch.float64)
     >>> b = budget_for(aten.mm.default, (a, a.T), {}, [a @ a.T], torch.float32)
