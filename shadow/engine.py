@@ -20,7 +20,7 @@ import torch
 
 from .attribution.adjoint import correctly_rounded
 from .attribution.tracking import Attribution
-from .budgets import Budget, budget_for, reads_arguments, reads_overwritten
+from .budgets import Budget, budget_for, fixed_budget, reads_overwritten
 from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import _fused  # the numba kernels (None without numba)
@@ -85,6 +85,7 @@ class Prepared:
     storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
     budget: bool = False  # its local error is held to the op's budget
+    fixed: Any = None  # the op's budget rule where it reads no argument (``shadow.budgets.fixed_budget``)
     direct: bool = False  # the op's calls may conclude on the direct path (``_direct``)
 
     @property
@@ -338,7 +339,9 @@ class Engine:
         # float64 devices have no headroom over the float64 reference: nothing to validate
         p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
         p.budget = self.opt.budgets and self.opt.local and dtype is not None
-        if p.spot or (p.budget and reads_arguments(plan.func)):
+        if p.budget:
+            p.fixed = fixed_budget(plan.func)
+        if p.spot or (p.budget and p.fixed is None):
             p.pre = self._pre_inputs(p)
         if cap is not None:
             self._memory(plan)
@@ -681,9 +684,9 @@ class Engine:
     def _budget_of(self, p: Prepared, references: list, dtype: torch.dtype) -> Budget | None:
         """The budget of the references by output slot (None where an output is absent) in the device ``dtype``;
         None when its rule failed."""
-        # no inputs kept where the op's budget reads no argument (reads_arguments)
-        args, kwargs = (p.pre.args, p.pre.kwargs) if p.pre is not None else (None, None)
-        return self._guarded(p, None, lambda: budget_for(p.plan.func, args, kwargs, references, dtype,
+        if p.fixed is not None:  # no argument read, no rule's code run: nothing to guard
+            return p.fixed.budget(references, dtype)
+        return self._guarded(p, None, lambda: budget_for(p.plan.func, p.pre.args, p.pre.kwargs, references, dtype,
                                                          scratch=self.scratch))
 
     def _bounds(self, p: Prepared, budget: Budget | None) -> Budget | None:

@@ -27,8 +27,8 @@ from shadow.budgets import (
     budget_for,
     effective_bits,
     InUlps,
+    fixed_budget,
     gamma,
-    reads_arguments,
     reads_overwritten,
     register_budget,
     register_budget_predicate,
@@ -282,28 +282,31 @@ _X = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
     (aten.gelu.default, (_X,), True), (aten.add.Tensor, (_X, _X), True), (aten.sum.default, (_X,), True),
 ])
 def test_budgets_that_read_no_argument_are_built_without_them(op, args, reads):
-    # the engine keeps no inputs before the op for an InUlps rule: budget_for builds the same budget without them
+    # the engine keeps no inputs before the op for an InUlps rule: it builds the same budget without them
     r = op(*args)
-    assert reads_arguments(op) is reads
+    rule = fixed_budget(op)
+    assert (rule is None) is reads
     given = budget_for(op, args, {}, [r], torch.float32)
     if reads:
-        with pytest.raises(TypeError, match="reads_arguments"):
+        with pytest.raises(TypeError, match="fixed_budget"):
             budget_for(op, None, None, [r], torch.float32)
         return
-    alone = budget_for(op, None, None, [r], torch.float32)
-    assert (alone.family, alone.ulps, alone.is_default) == (given.family, given.ulps, given.is_default)
-    assert torch.equal(alone.bound[0], given.bound[0]) and alone.bound[0].gt(0).all()
+    for alone in (budget_for(op, None, None, [r], torch.float32), rule.budget([r], torch.float32)):
+        assert (alone.family, alone.ulps, alone.is_default) == (given.family, given.ulps, given.is_default)
+        assert torch.equal(alone.bound[0], given.bound[0]) and alone.bound[0].gt(0).all()
+    empty = rule.budget([r[:0]], torch.float32)  # nothing to bound: as budget_for says
+    assert (empty.family, empty.ulps) == (budget_for(op, args, {}, [r[:0]], torch.float32).family, 0.0) == ("empty", 0.0)
 
 
-def test_reads_arguments_follows_the_rule_that_answers(registry):
+def test_fixed_budget_follows_the_rule_that_answers(registry):
     op = aten.histc.default
     register_budget(op, reads_overwritten=False)(InUlps("mine", 8.0))
-    assert not reads_arguments(op)
+    assert fixed_budget(op) == InUlps("mine", 8.0)
     b = budget_for(op, None, None, [_X], torch.bfloat16)  # bfloat16's spacing: 2**-8 at 0.5, 2**-6 at 2 and 3
     assert (b.family, b.ulps) == ("mine", 8.0) and b.bound[0].tolist() == [8 * 2.0**-8, 8 * 2.0**-6, 8 * 2.0**-6]
     other = aten.histc.out
     register_budget(other)(lambda c: c.ulps("mine", 8.0))
-    assert reads_arguments(other)  # a function of the call may read anything
+    assert fixed_budget(other) is None  # a function of the call may read anything
 
 
 # --- running ops under ShadowMode: each record's local error against its budget, as the engine judged it ---

@@ -26,8 +26,8 @@ cost: docs/budgets.md.
 """
 
 from . import attention, elementwise, linalg, losses, normalization, optimizer, reductions  # noqa: F401 (register)
-from .core import (BUDGETS, DEFAULT_ULPS, KAPPA, Budget, BudgetCall, InUlps, budget_for, effective_bits, gamma,
-                   reads_arguments, reads_overwritten, register_budget, register_budget_predicate, unit_roundoff)
+from .core import (BUDGETS, DEFAULT_ULPS, KAPPA, Budget, BudgetCall, InUlps, budget_for, effective_bits,
+                   fixed_budget, gamma, reads_overwritten, register_budget, register_budget_predicate, unit_roundoff)
 
 __all__ = [
     "BUDGETS",
@@ -38,8 +38,8 @@ __all__ = [
     "InUlps",
     "budget_for",
     "effective_bits",
+    "fixed_budget",
     "gamma",
-    "reads_arguments",
     "reads_overwritten",
     "register_budget",
     "register_budget_predicate",

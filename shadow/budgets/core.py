@@ -475,9 +475,9 @@ class BudgetRule:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class InUlps:
-    """The rule "``ulps`` units in the last place of every result, whatever the arguments": it reads none, so
-    :func:`budget_for` builds its budget without a ``BudgetCall`` and the engine keeps no inputs for it
-    (:func:`reads_arguments`), which is most elementwise ops' and the default's."""
+    """The rule "``ulps`` units in the last place of every result, whatever the arguments": it reads none, so its
+    budget is built from the outputs alone (``budget``), without a ``BudgetCall``, and the engine keeps no inputs
+    for it (:func:`fixed_budget`). Most elementwise ops' rule, and the default."""
 
     family: str
     ulps: float
@@ -487,7 +487,18 @@ class InUlps:
         return self.budget(c.outputs, c.dtype)
 
     def budget(self, outputs: Sequence[Any], dtype: torch.dtype) -> Budget:
+        """The budget of a call with these float64 reference outputs in the device ``dtype``: ``budget_for``'s."""
+        if _nothing_to_bound(outputs):
+            return Budget.in_ulps("empty", 0.0, outputs, dtype)
         return Budget.in_ulps(self.family, self.ulps, outputs, dtype, is_default=self.is_default)
+
+
+def _nothing_to_bound(outputs: Sequence[Any]) -> bool:
+    """No output is a floating tensor with elements."""
+    for r in outputs:
+        if is_float(r) and r.numel():
+            return False
+    return True
 
 
 # The default: an op no rule knows. A few ulps of the result, flagged so reports can tell the guess apart.
@@ -543,7 +554,7 @@ def budget_for(func: OpOverload, args: Sequence | None, kwargs: dict | None, out
     """The budget of one call of ``func``.
 
     ``args``/``kwargs``: the op's device inputs upcast exactly to float64 on the CPU, as *before* the op
-    ran (in-place ops overwrite them; None where :func:`reads_arguments` is false); ``outputs``: the float64
+    ran (in-place ops overwrite them; None where :func:`fixed_budget` gives a rule); ``outputs``: the float64
     reference results, flattened (a single tensor is accepted); ``dtype``: the device dtype the error is
     measured in (the output's); ``scratch``: a ``shadow.scratch.Scratch`` the bounds' large temporaries may use
     (the engine's).
@@ -555,29 +566,29 @@ def budget_for(func: OpOverload, args: Sequence | None, kwargs: dict | None, out
     """
     if isinstance(outputs, torch.Tensor):
         outputs = [outputs]
-    for r in outputs:
-        if is_float(r) and r.numel():
-            break
-    else:  # nothing to bound
-        return Budget.in_ulps("empty", 0.0, outputs, dtype)
     rule = BUDGETS.chain(func)[0].fn
     if isinstance(rule, InUlps):  # it answers every call, reading no argument
         return rule.budget(outputs, dtype)
+    if _nothing_to_bound(outputs):
+        return Budget.in_ulps("empty", 0.0, outputs, dtype)
     if args is None:
-        raise TypeError(f"budget_for({func}): its budget rule reads the op's arguments (reads_arguments): pass them")
+        raise TypeError(f"budget_for({func}): its budget rule reads the op's arguments (fixed_budget is None): "
+                        "pass them")
     call = BudgetCall(plan_of(func), args, kwargs, list(outputs), dtype, unit_roundoff(dtype),
                       unit_roundoff(accumulation_dtype(dtype)), scratch)
     return BUDGETS.run(func, call)
 
 
-def reads_arguments(func: OpOverload) -> bool:
-    """Whether the budget of ``func``'s calls depends on its arguments: false when the rule that answers is an
-    :class:`InUlps`, whose budget ``budget_for`` builds from the outputs alone (``args=None``).
+def fixed_budget(func: OpOverload) -> InUlps | None:
+    """The :class:`InUlps` rule that answers every call of ``func`` (its budget reads no argument: ``budget_for``
+    takes ``args=None``, and ``InUlps.budget`` gives the same from the outputs alone); None where the op's budget
+    is a function of its arguments.
 
-    >>> reads_arguments(aten.mul.Tensor), reads_arguments(aten.mm.default)
-    (False, True)
+    >>> fixed_budget(aten.mul.Tensor), fixed_budget(aten.mm.default)
+    (InUlps(family='elementwise', ulps=2.0, is_default=False), None)
     """
-    return not isinstance(BUDGETS.chain(func)[0].fn, InUlps)
+    rule = BUDGETS.chain(func)[0].fn
+    return rule if isinstance(rule, InUlps) else None
 
 
 def reads_overwritten(func: OpOverload) -> bool:
