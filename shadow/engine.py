@@ -20,7 +20,7 @@ import torch
 
 from .attribution.adjoint import correctly_rounded
 from .attribution.tracking import Attribution
-from .budgets import Budget, budget_for, fixed_budget, reads_overwritten
+from .budgets import Budget, InUlps, budget_for, fixed_budget, reads_overwritten
 from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import _fused  # the numba kernels (None without numba)
@@ -85,7 +85,7 @@ class Prepared:
     storages: set[int] | None = None  # shadow storages of the inputs (an output aliasing one is copied)
     spot: bool = False  # this call is spot-checked
     budget: bool = False  # its local error is held to the op's budget
-    fixed: Any = None  # the op's budget rule where it reads no argument (``shadow.budgets.fixed_budget``)
+    fixed: InUlps | None = None  # the op's budget rule where it reads no argument (``shadow.budgets.fixed_budget``)
     direct: bool = False  # the op's calls may conclude on the direct path (``_direct``)
 
     @property

@@ -422,7 +422,7 @@ class Attribution:
                 self._steps.call(func, args, kwargs, out)
             except Exception:  # never raise into the user's program: the call keeps the fallback name
                 pass
-            return self._steps.current, Phase.OPTIMIZER, sites.here() if sites is not None else ""
+            return self._steps.current, Phase.OPTIMIZER, sites.here(skip) if sites is not None else ""
         module = self._tracker.innermost
         if torch._C._current_graph_task_id() != -1:
             return module, Phase.BACKWARD, sites.backward() if sites is not None else ""
