@@ -181,7 +181,6 @@ class SpotPolicy:
     def __init__(self, config: SpotConfig = SpotConfig()):
         self.config = config
         self._ops: dict[str, _OpState] = {}
-        self._checkable: dict[str, bool] = {}
         self._budget = config.escalation_budget_us
 
     @classmethod
@@ -195,17 +194,12 @@ class SpotPolicy:
         return f"SpotPolicy({c.mode}{' ' + repr(what) if what != '' else ''}, seed={c.seed})"
 
     # --- decisions ---
-    def _checkable_name(self, op_name: str) -> bool:
-        ok = self._checkable.get(op_name)
-        if ok is None:
-            op = _resolve(op_name)
-            ok = self._checkable[op_name] = isinstance(op, torch._ops.OpOverload) and reference_for(op) is not None
-        return ok
-
     def _state(self, op_name: str) -> _OpState:
         st = self._ops.get(op_name)
-        if st is None:
-            st = self._ops[op_name] = _OpState(self.config.count_for(op_name) != 0 and self._checkable_name(op_name))
+        if st is None:  # the op's first call: whether it may be sampled, asked once
+            op = _resolve(op_name)
+            st = self._ops[op_name] = _OpState(self.config.count_for(op_name) != 0 and isinstance(
+                op, torch._ops.OpOverload) and reference_for(op) is not None)
         return st
 
     def wants(self, op_name: str) -> bool:
