@@ -97,7 +97,7 @@ def pooled_call(plan: OpPlan, args: list, kwargs: dict, scratch: Any, nbytes: in
         out = run_chain(chain, plan, scratch.empty_strided(meta.shape, meta.stride(), meta.dtype), args, kwargs)
     except Exception:  # noqa: BLE001 -- no meta kernel, or a writer that refuses: the kernel allocates
         out = NotImplemented
-    return plan.func(*args, **kwargs) if out is NotImplemented else out
+    return plan.call(*args, **kwargs) if out is NotImplemented else out
 
 
 WriteRule = Callable[[OpPlan, torch.Tensor, list, dict], Any]  # (plan, out, args, kwargs) -> out, or NotImplemented
