@@ -158,7 +158,9 @@ class Engine:
                              Placement(options.shadow_device, options.max_shadow_bytes or 0))
         self.spot = SpotPolicy(options.spot_checks)
         self.scratch = Scratch()  # reused memory for an op call's large temporaries (shadow.scratch)
-        self._plans: dict[Any, tuple[OpPlan, tuple, bool] | None] = {}  # (plan, replay chain, direct)
+        # id(op) -> (plan, replay chain, direct, fixed budget rule): the plan holds the op, so its id stays its own;
+        # an id hashes in C where an OpOverload's hash is a Python method
+        self._plans: dict[int, tuple[OpPlan, tuple, bool, InUlps | None] | None] = {}
         self._index = 0
         # shadow.attribute's hooks (None in a plain ShadowMode): how an ablation world rewrites a call's shadows,
         # given (op, module, phase, call site) (_rewrite_shadow); and a look at each judged call's record and outputs
@@ -181,13 +183,13 @@ class Engine:
 
     # --- entry point, called by the dispatch mode ---
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        entry = self._plans.get(func, False)
+        entry = self._plans.get(id(func), False)
         if entry is False:
-            entry = self._plans[func] = self._plan(func)
+            entry = self._plans[id(func)] = self._plan(func)
         if entry is None:  # no tensor in or out (profiler markers...), or a schema shadow cannot read
             self.report.passed_through()
             return func(*args, **kwargs)
-        plan, chain, direct = entry
+        plan, chain, direct, fixed = entry
         if self._deferred:  # an op touching a deferred call's outputs: the user's program waited for them
             completing = self._completing(plan, args)
             self.settle((t for _, t in plan.tensors(args, kwargs)), spare=completing)
@@ -215,7 +217,7 @@ class Engine:
         prepared = error = None
         try:
             with _no_dispatch():
-                prepared = self._prepare(plan, chain, direct, args, kwargs)
+                prepared = self._prepare(plan, chain, direct, fixed, args, kwargs)
         except _NoValues:
             out = func(*args, **kwargs)
             self._record(plan, Kind.META, args, kwargs, out)
@@ -234,13 +236,13 @@ class Engine:
                 self._internal_error(plan, args, kwargs, out, exc)
         return out
 
-    def _plan(self, func) -> tuple[OpPlan, tuple, bool] | None:
+    def _plan(self, func) -> tuple[OpPlan, tuple, bool, InUlps | None] | None:
         try:
             plan = plan_of(func)
             if not plan.tensor_args and not any(r.is_tensor for r in plan.returns):
                 return None
             chain = REPLAY.chain(func)
-            return plan, chain, _direct(plan, chain)
+            return plan, chain, _direct(plan, chain), fixed_budget(func)
         except Exception as exc:  # never raise into the user's program
             self.report.internal_error(str(func), f"internal error reading the schema: {exc}")
             return None
@@ -308,7 +310,8 @@ class Engine:
             self.scratch.set_limit(cap - self.mirror.held)
 
     # --- before the device op ---
-    def _prepare(self, plan: OpPlan, chain: tuple, direct: bool, args: tuple, kwargs: dict) -> Prepared:
+    def _prepare(self, plan: OpPlan, chain: tuple, direct: bool, fixed: InUlps | None, args: tuple, kwargs: dict
+                 ) -> Prepared:
         p = Prepared(plan, chain, inputs=[], storages=set(), direct=direct)
         cap = self.opt.max_shadow_bytes
         if cap is not None:
@@ -340,7 +343,7 @@ class Engine:
         p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
         p.budget = self.opt.budgets and self.opt.local and dtype is not None
         if p.budget:
-            p.fixed = fixed_budget(plan.func)
+            p.fixed = fixed
         if p.spot or (p.budget and p.fixed is None):
             p.pre = self._pre_inputs(p)
         if cap is not None:
@@ -604,8 +607,10 @@ class Engine:
             if local is drift:  # one output's stats serving both figures (merged): only the local error gets bits
                 drift = dataclasses.replace(drift)
             if local.norm > 0:
-                local.effective_bits = self._guarded(p, None, lambda: budget.bits(local.norm ** 2,
-                                                                                  _reference_sq(compared)))
+                sq = local.norm ** 2
+                # a fixed budget's scale is its outputs' (shadow's own code, no rule's: nothing to guard)
+                local.effective_bits = budget.bits(sq, _reference_sq(compared)) if p.fixed is not None else \
+                    self._guarded(p, None, lambda: budget.bits(sq, _reference_sq(compared)))
             info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
         return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 

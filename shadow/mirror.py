@@ -24,6 +24,7 @@ from .errors import ShadowOptionError
 from .scratch import copy
 
 _SWEEP_EVERY = 64  # new entries between sweeps: bounds the shadow memory kept for dead storages
+_expired = torch.UntypedStorage._expired  # StorageWeakRef.expired's own call, without its two Python frames
 
 
 def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
@@ -419,7 +420,7 @@ class Mirror:
     def sweep(self) -> None:
         """Drop the shadows of storages that died, and the version records of dead tensors."""
         self._new = 0
-        dead = [k for k, e in self._entries.items() if e.wref.expired()]
+        dead = [k for k, e in self._entries.items() if _expired(e.wref.cdata)]
         for k in dead:
             self.held -= _bytes(self._entries.pop(k))
         self._empty = {k: w for k, w in self._empty.items() if not w.expired()}
