@@ -158,9 +158,10 @@ class Engine:
                              Placement(options.shadow_device, options.max_shadow_bytes or 0))
         self.spot = SpotPolicy(options.spot_checks)
         self.scratch = Scratch()  # reused memory for an op call's large temporaries (shadow.scratch)
-        # id(op) -> (plan, replay chain, direct, fixed budget rule): the plan holds the op, so its id stays its own;
-        # an id hashes in C where an OpOverload's hash is a Python method
+        # id(op) -> (plan, replay chain, direct, fixed budget rule), or None: an id hashes in C where an OpOverload's
+        # hash is a Python method; _ops holds every op seen, so that its id stays its own
         self._plans: dict[int, tuple[OpPlan, tuple, bool, InUlps | None] | None] = {}
+        self._ops: list = []
         self._index = 0
         # shadow.attribute's hooks (None in a plain ShadowMode): how an ablation world rewrites a call's shadows,
         # given (op, module, phase, call site) (_rewrite_shadow); and a look at each judged call's record and outputs
@@ -186,6 +187,7 @@ class Engine:
         entry = self._plans.get(id(func), False)
         if entry is False:
             entry = self._plans[id(func)] = self._plan(func)
+            self._ops.append(func)
         if entry is None:  # no tensor in or out (profiler markers...), or a schema shadow cannot read
             self.report.passed_through()
             return func(*args, **kwargs)
