@@ -138,7 +138,7 @@ class Placement:
 
 
 class _Entry:
-    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "exact", "writes", "nonfinite", "drift",
+    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite", "drift",
                  "adopted")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
@@ -149,6 +149,7 @@ class _Entry:
         self.sptr = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
         self.itemsize = itemsize
         self.nbytes = storage.nbytes()
+        self.held = base.numel() * base.element_size()  # the shadow's bytes (Mirror.held)
         self.exact = exact  # the shadow equals the device's values exactly
         self.writes = writes  # writes seen through ops that bump the version counter
         self.nonfinite = nonfinite  # the device's values hold a NaN or an infinity (as far as shadow saw)
@@ -224,10 +225,6 @@ def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> N
     value = value.conj() if t.is_conj() else value  # the raw values a conj/neg view of them reads as value
     value = -value if t.is_neg() else value
     base.index_put_((idx.reshape(-1),), value.expand(t.shape).reshape(-1).to(base.device, base.dtype))
-
-
-def _bytes(e: _Entry) -> int:
-    return e.base.numel() * e.base.element_size()
 
 
 class Mirror:
@@ -310,8 +307,8 @@ class Mirror:
     def _put(self, key: int, e: _Entry) -> None:
         old = self._entries.get(key)
         if old is not None:
-            self.held -= _bytes(old)
-        self.held += _bytes(e)
+            self.held -= old.held
+        self.held += e.held
         self._entries[key] = e
         self._new += 1
         if self._new >= _SWEEP_EVERY:
@@ -422,7 +419,7 @@ class Mirror:
         self._new = 0
         dead = [k for k, e in self._entries.items() if _expired(e.wref.cdata)]
         for k in dead:
-            self.held -= _bytes(self._entries.pop(k))
+            self.held -= self._entries.pop(k).held
         self._empty = {k: w for k, w in self._empty.items() if not w.expired()}
         if len(self._versions) > 4 * len(self._entries) + 256:
             self._versions = {k: v for k, v in self._versions.items() if v[0]() is not None}
@@ -441,7 +438,7 @@ class Mirror:
         return self.view(t, self.entry(t))  # entry() adopts a new storage, follows one resized since last seen
 
     def shadow_bytes(self) -> int:
-        return sum(e.base.numel() * e.base.element_size() for e in self._entries.values() if not e.wref.expired())
+        return sum(e.held for e in self._entries.values() if not e.wref.expired())
 
     def device_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values() if not e.wref.expired())
