@@ -24,7 +24,7 @@ from .budgets import Budget, InUlps, budget_for, fixed_budget, reads_overwritten
 from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import _fused  # the numba kernels (None without numba)
-from .metrics import ErrorStats, compare, count_flips
+from .metrics import ErrorStats, compare, compare_pair, count_flips
 from .mirror import CPU, Mirror, Placement, any_nonfinite, shadow_dtype_of
 from .options import Options
 from .plan import ArgSpec, ArgType, OpPlan, flat_returns, plan_of
@@ -663,12 +663,16 @@ class Engine:
         has_local = isinstance(lo, torch.Tensor)
         # with every input exact (no local replay), the shadow comparison is the local error too
         shared = self.opt.local and not has_local
-        st = compare(dev, sh, dtype, bound if shared else None) if self.opt.drift or shared else None
+        if has_local and self.opt.drift and lo.shape == dev.shape:  # both figures, from one read where it can
+            st, c.local = compare_pair(dev, sh, lo, dtype, bound)
+        else:
+            st = compare(dev, sh, dtype, bound if shared else None) if self.opt.drift or shared else None
+            if self.opt.local:
+                c.local = (compare(dev, lo, dtype, bound) if lo.shape == dev.shape else ErrorStats()) if has_local \
+                    else st
         c.exact = st is not None and st.exact
-        if self.opt.local:
-            c.local = (compare(dev, lo, dtype, bound) if lo.shape == dev.shape else ErrorStats()) if has_local else st
-            if ulps is not None:
-                c.local.budget_used = c.local.max_ulp / ulps if ulps > 0 else (_INF if c.local.max_abs else 0.0)
+        if self.opt.local and ulps is not None:
+            c.local.budget_used = c.local.max_ulp / ulps if ulps > 0 else (_INF if c.local.max_abs else 0.0)
         if self.opt.drift:
             c.drift = dataclasses.replace(st, budget_used=None) if shared and st.budget_used is not None else st
         stats = st if st is not None else c.local

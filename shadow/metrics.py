@@ -205,12 +205,12 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: Any = N
         bound = bound.tensor(r)
     if bound is not None and on_device and bound.device != r.device and bound.dim():
         bound = bound.to(r.device)  # a budget rule's CPU tensor (0-d ones mix with any device as they are)
+    if n <= _TINY and not on_device:
+        return _compare_loop(y, _flat_list(y), r, dtype, n, bound)
     if bound is not None and bound.shape != r.shape:
         bound = bound.expand(r.shape)
     if n <= _TINY:
-        yl, rl, bl = _flat_lists(y, r, bound) if on_device else \
-            (_flat_list(y), _flat_list(r), None if bound is None else _flat_list(bound))
-        stats = _compare_python(yl, rl, dtype, n, bl)
+        stats = _compare_python(*_flat_lists(y, r, bound), dtype=dtype, n=n)
     elif on_device and not complex_:  # the torch passes where the reference lives, its figures read back once
         stats = _compare_torch(y.detach(), r, dtype, n, bound)
     elif complex_ or n <= _SMALL:  # flat: 0-d arithmetic would give numpy scalars
@@ -218,7 +218,33 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: Any = N
                                None if bound is None else host(bound).reshape(-1))
     else:
         stats = _compare_torch(y.detach(), r, dtype, n, bound)
-    # an error of at least the value's own magnitude somewhere (rare): are some references exactly 0?
+    return _zeros_checked(stats, y, r, dtype)
+
+
+def compare_pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, bound: Any = None
+                 ) -> tuple[ErrorStats, ErrorStats]:
+    """``(compare(y, r, dtype), compare(y, lo, dtype, bound))``: one result's drift and local figures. Where both
+    take the Python loop (a few elements on the CPU, a bound that is a tensor if any), y's values are read once."""
+    n = r.numel()
+    if 0 < n <= _LOOP_FUSED and lo.shape == r.shape and (bound is None or isinstance(bound, torch.Tensor)) \
+            and not _off_cpu(r) and not _off_cpu(lo) and (bound is None or not _off_cpu(bound)):
+        yl = _flat_list(y)
+        return _compare_loop(y, yl, r, dtype, n, None), _compare_loop(y, yl, lo, dtype, n, bound)
+    return compare(y, r, dtype), compare(y, lo, dtype, bound)
+
+
+def _compare_loop(y: torch.Tensor, yl: list, r: torch.Tensor, dtype: torch.dtype, n: int,
+                  bound: torch.Tensor | None) -> ErrorStats:
+    """compare's Python loop over a CPU reference of n <= _TINY elements, y's values read already (``yl``)."""
+    if bound is not None and bound.shape != r.shape:
+        bound = bound.expand(r.shape)
+    stats = _compare_python(yl, _flat_list(r), None if bound is None else _flat_list(bound), dtype, n)
+    return _zeros_checked(stats, y, r, dtype)
+
+
+def _zeros_checked(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> ErrorStats:
+    """``stats``, where an error of at least the value's own magnitude somewhere (rare) asks whether some
+    references are exactly 0."""
     if stats.max_ulp >= _consts(dtype)[1]:
         _zero_references(stats, y, r, dtype)
     return stats
@@ -299,7 +325,7 @@ def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
     return stats
 
 
-def _compare_python(yl: list, rl: list, dtype: torch.dtype, n: int, bl: list | None) -> ErrorStats:
+def _compare_python(yl: list, rl: list, bl: list | None, dtype: torch.dtype, n: int) -> ErrorStats:
     # comparisons rather than max() calls: this loop serves most small outputs (complex ones: abs is the modulus)
     stats = ErrorStats(n=n, budget_used=None if bl is None else 0.0)
     tiny, _ = _consts(dtype)

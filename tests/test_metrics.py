@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shadow import metrics
-from shadow.metrics import ErrorStats, compare, count_flips, spacing
+from shadow.metrics import ErrorStats, compare, compare_pair, count_flips, spacing
 
 f64 = torch.float64
 
@@ -289,6 +289,36 @@ def test_small_outputs_equal_the_definitions(dtype, bound_kind, size):
         if b is not None and got.max_abs:
             seen.add("budget")
     assert len(seen) == 5 + (bound is not None)  # every kind of element met the loop
+
+
+@pytest.mark.parametrize("bound_kind", ["none", "tensor", "scalar", "formula"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_compare_pair_gives_the_two_comparisons(dtype, bound_kind):
+    """A result's drift and local figures from one read of its values (compare_pair): the figures of two
+    compare calls, at every size of the loop and above it (where it makes the two calls), for every kind of
+    element, and with a formula bound (compared in the fused pass)."""
+    from shadow.budgets.core import UlpsPlus
+
+    y, r = _sample(dtype, 500, seed=5, sprinkled=True)
+    lo = r.clone()
+    lo[1::3] = (r[1::3] * (1 + 3 * torch.finfo(dtype).eps)).nan_to_num(0.0)  # another reference, finite where r is not
+    lo[::7] = 0.0
+    bound = _bound("tensor" if bound_kind == "formula" else bound_kind, r, dtype)
+    seen = set()
+    for k in (1, 4, metrics._LOOP_FUSED, metrics._LOOP_FUSED + 1, 40):
+        for i in range(0, 500 - k + 1, k):
+            part = slice(i, i + k)
+            b = bound[part] if bound is not None and bound.dim() else bound
+            if bound_kind == "formula":
+                b = UlpsPlus(2.0, b, 1.0, dtype)
+            got = compare_pair(y[part], r[part], lo[part], dtype, b)
+            want = compare(y[part], r[part], dtype), compare(y[part], lo[part], dtype, b)
+            for g, w in zip(got, want):
+                _assert_same(g, w)
+                assert g.budget_used == w.budget_used
+            seen |= {n for n in ("nonfinite_device", "nonfinite_reference", "nonfinite_mismatch", "zero_reference")
+                     if getattr(got[0], n) or getattr(got[1], n)}
+    assert len(seen) == 4
 
 
 @fused
