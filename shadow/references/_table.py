@@ -168,14 +168,24 @@ class Reference:
         output: int = 0,
         bits: int = DEFAULT_BITS,
     ) -> Exact:
+        call = self.call(args, kwargs, output)
+        with working_precision(bits):
+            return self.element(call, tuple(map(int, index)))
+
+    def call(self, args: Sequence, kwargs: Mapping[str, Any] | None, output: int = 0) -> Call:
+        """The rule's input for elements of output ``output`` (``NoReference`` for an output it does not compute)."""
         call = Call(self.func, tuple(args), dict(kwargs or {}), output)
         if not 0 <= output < self.outputs:
             raise call.fail(f"output {output}: the reference computes outputs 0..{self.outputs - 1}")
-        with working_precision(bits):
-            try:
-                return self.rule(call, tuple(map(int, index)))
-            except Uncovered as exc:
-                raise call.fail(str(exc)) from exc
+        return call
+
+    def element(self, call: Call, index: tuple[int, ...]) -> Exact:
+        """The element at ``index`` (Python ints) at mpmath's current precision: a check of many elements builds
+        their ``call`` and sets the precision once."""
+        try:
+            return self.rule(call, index)
+        except Uncovered as exc:
+            raise call.fail(str(exc)) from exc
 
 
 def register_reference(

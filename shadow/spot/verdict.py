@@ -202,12 +202,17 @@ def spot_check(
     why = ""
     with _mpmath_lock, working_precision(bits):  # the rule's own precision, set once for every element
         for k, flats in by_output.items():
+            try:
+                call = ref.call(args, kwargs, k)
+            except NoReference as exc:
+                why = exc.reason
+                continue
             dev, r = device_outputs[k], reference_outputs[k]
             shape = tuple(r.shape)
             indices = [_coords(flat, shape) for flat in flats]
             for index, y, rv in zip(indices, _gather(dev, indices), _gather(r, indices)):
                 try:
-                    e = ref(args, kwargs, index, output=k, bits=bits)
+                    e = ref.element(call, index)
                 except NoReference as exc:
                     why = exc.reason
                     continue
