@@ -329,7 +329,9 @@ class Engine:
             return v
 
         place = self.mirror.place
-        p.shadow = _remapped(plan, place, *plan.map_tensors(args, kwargs, shadow))
+        p.shadow = Args(*plan.map_tensors(args, kwargs, shadow))
+        if plan.remap_args:
+            _remap_args(plan, place, p.shadow)
         if self.opt.local and not p.exact:
             seen: dict[int, torch.Tensor] = {}  # a tensor passed twice (Adam's addcmul_(g, g)) is upcast once
 
@@ -339,7 +341,9 @@ class Engine:
                     c = seen[id(t)] = self.scratch.copy(t, self.mirror.shadow_dtype(t.dtype) or t.dtype, place(t.device))
                 return c
 
-            p.local = _remapped(plan, place, *plan.map_tensors(args, kwargs, up))
+            p.local = Args(*plan.map_tensors(args, kwargs, up))
+            if plan.remap_args:
+                _remap_args(plan, place, p.local)
         dtype = p.inputs[0].dtype if p.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
         p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
@@ -787,7 +791,7 @@ class Engine:
             e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
                          nonfinite=c.nonfinite, drift=drift)
             if shadow_dtype_of(dev.dtype) is not None:
-                m.unobserved_write(dev, e)  # start tracking the new output's version counter
+                m.track(dev, e)
 
     # --- adoption and recording ---
     def _adopt_all(self, plan: OpPlan, args, kwargs, out) -> None:
@@ -945,16 +949,15 @@ def _storages(tensors) -> set[int]:
             and t.layout == torch.strided and not t.is_nested and t.device.type != "meta" and not t._is_zerotensor()}
 
 
-def _remapped(plan: OpPlan, place: Placement, args: list, kwargs: dict) -> Args:
+def _remap_args(plan: OpPlan, place: Placement, a: Args) -> None:
     """dtype and device arguments rewritten for the float64 replay on the shadow device (in place in these
     copies): a device names where the device op puts its result, so the replay puts the shadow where that
     device's shadows live (``place``)."""
     for spec in plan.remap_args:
-        v = spec.get(args, kwargs)
+        v = spec.get(a.args, a.kwargs)
         new = _remap(plan, spec.name, v, place)
         if new is not v:
-            spec.put(args, kwargs, new)
-    return Args(args, kwargs)
+            spec.put(a.args, a.kwargs, new)
 
 
 def _remap(plan: OpPlan, name: str, v: Any, place: Placement) -> Any:

@@ -3,7 +3,7 @@
 Mirroring storages rather than tensors makes aliasing, views, in-place and ``out=`` replay exactly: a
 write through any view of a storage lands in the one shadow every other view reads.
 
-Entries are keyed by the StorageImpl address and hold a weak reference to it (``StorageWeakRef``),
+Entries are keyed by the StorageImpl address and hold a weak reference to it (what ``StorageWeakRef`` holds),
 which keeps the address from being reused while the entry lives; ``sweep`` drops the entries of dead
 storages. Every method here runs inside ``__torch_dispatch__`` with dispatch disabled.
 
@@ -24,7 +24,7 @@ from .errors import ShadowOptionError
 from .scratch import copy
 
 _SWEEP_EVERY = 64  # new entries between sweeps: bounds the shadow memory kept for dead storages
-_expired = torch.UntypedStorage._expired  # StorageWeakRef.expired's own call, without its two Python frames
+_expired = torch.UntypedStorage._expired  # whether a weak reference's storage died (StorageWeakRef.expired's call)
 
 
 def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
@@ -138,12 +138,14 @@ class Placement:
 
 
 class _Entry:
-    __slots__ = ("wref", "key", "base", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite", "drift",
+    __slots__ = ("weak", "key", "base", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite", "drift",
                  "adopted")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
                  nonfinite: bool):
-        self.wref = StorageWeakRef(storage)
+        # a weak reference to the StorageImpl, as StorageWeakRef holds one (without its Python frames): it keeps
+        # the address from being reused while the entry lives, and frees with the entry (__del__)
+        self.weak = storage._weak_ref()
         self.key = storage._cdata
         self.base = base  # 1-D shadow of the whole storage
         self.sptr = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
@@ -155,6 +157,14 @@ class _Entry:
         self.nonfinite = nonfinite  # the device's values hold a NaN or an infinity (as far as shadow saw)
         self.drift = 0.0  # rel_norm of the drift of the last value written (a partial write: the larger)
         self.adopted = 0  # Mirror.adopted when this storage was first seen holding values no op shadow saw wrote
+
+    def expired(self) -> bool:
+        """The storage died."""
+        return _expired(self.weak)
+
+    # the function is bound here, not looked up at deletion: torch's module may be gone at interpreter exit
+    def __del__(self, _free=torch.UntypedStorage._free_weak_ref) -> None:
+        _free(self.weak)
 
 
 def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -397,6 +407,15 @@ class Mirror:
         e.writes += max(0, (version - rec[2]) - (e.writes - rec[3]))
         self._versions[id(t)] = (rec[0], e.key, version, e.writes)
 
+    def track(self, t: torch.Tensor, e: _Entry) -> None:
+        """Start tracking the version counter of t, an op's new output whose storage's entry is ``e``: the record
+        ``unobserved_write`` would leave, without its comparison."""
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            return
+        self._versions[id(t)] = (weakref.ref(t), e.key, version, e.writes)
+
     def unobserved_write(self, t: torch.Tensor, e: _Entry) -> bool:
         """Whether t's version counter moved more than the writes seen on its storage since t was last
         seen (checked lazily: the counter is bumped after ``__torch_dispatch__`` returns)."""
@@ -417,7 +436,7 @@ class Mirror:
     def sweep(self) -> None:
         """Drop the shadows of storages that died, and the version records of dead tensors."""
         self._new = 0
-        dead = [k for k, e in self._entries.items() if _expired(e.wref.cdata)]
+        dead = [k for k, e in self._entries.items() if _expired(e.weak)]
         for k in dead:
             self.held -= self._entries.pop(k).held
         self._empty = {k: w for k, w in self._empty.items() if not w.expired()}
@@ -438,7 +457,7 @@ class Mirror:
         return self.view(t, self.entry(t))  # entry() adopts a new storage, follows one resized since last seen
 
     def shadow_bytes(self) -> int:
-        return sum(e.held for e in self._entries.values() if not e.wref.expired())
+        return sum(e.held for e in self._entries.values() if not e.expired())
 
     def device_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values() if not e.wref.expired())
+        return sum(e.nbytes for e in self._entries.values() if not e.expired())
