@@ -25,7 +25,7 @@ from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import _fused  # the numba kernels (None without numba)
 from .metrics import ErrorStats, compare, compare_pair, count_flips
-from .mirror import CPU, Mirror, Placement, any_nonfinite, shadow_dtype_of
+from .mirror import CPU, SHADOW_DTYPES, Mirror, Placement, any_nonfinite, shadow_dtype_of
 from .options import Options
 from .plan import ArgSpec, ArgType, OpPlan, flat_returns, plan_of
 from .records import BudgetInfo, Event, Kind, Record
@@ -477,7 +477,7 @@ class Engine:
             devs, shs, los = out, souts, louts if louts is not None else (None,) * len(out)
         for d, s in zip(devs, shs):
             if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor) or d.layout != torch.strided \
-                    or d.is_nested or s.dtype != shadow_dtype_of(d.dtype) or s.shape != d.shape or d._is_zerotensor():
+                    or d.is_nested or s.dtype != SHADOW_DTYPES.get(d.dtype) or s.shape != d.shape or d._is_zerotensor():
                 return False
         dtype = devs[0].dtype
         budget = spot = None
@@ -790,7 +790,7 @@ class Engine:
         else:
             e = m.assign(dev, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
                          nonfinite=c.nonfinite, drift=drift)
-            if shadow_dtype_of(dev.dtype) is not None:
+            if SHADOW_DTYPES.get(dev.dtype) is not None:
                 m.track(dev, e)
 
     # --- adoption and recording ---

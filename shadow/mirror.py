@@ -15,7 +15,7 @@ Where shadows live).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -34,6 +34,11 @@ def shadow_dtype_of(dtype: torch.dtype) -> torch.dtype | None:
     if dtype.is_floating_point:
         return torch.float64
     return None
+
+
+# shadow_dtype_of of every dtype torch names, read per op call where a Python call would cost more than the answer
+SHADOW_DTYPES: dict[torch.dtype, torch.dtype | None] = {
+    d: shadow_dtype_of(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 # --- where shadows live: ShadowMode(shadow_device="auto" | "cpu" | a device with float64) ---
@@ -241,9 +246,11 @@ class Mirror:
     """The float64 shadows of the storages a program touched, and the version counters seen."""
 
     def __init__(self, follow_reference: bool, placement: Placement | None = None):
-        self._follow_reference = follow_reference
         self.place = placement if placement is not None else Placement()  # the shadow device of a device
-        self._dtypes: dict[torch.dtype, torch.dtype | None] = {}
+        # the dtype of a tensor's shadow, by its dtype (None: not mirrored); follow="reference" keeps discrete
+        # results in their own dtype. A dict's get: it is asked several times per op call
+        self.shadow_dtype: Callable[[torch.dtype], torch.dtype | None] = {
+            d: d if sd is None and follow_reference else sd for d, sd in SHADOW_DTYPES.items()}.get
         self._entries: dict[int, _Entry] = {}
         self._empty: dict[int, StorageWeakRef] = {}  # uninitialized storages not read yet (empty's results)
         self._versions: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id(t) -> (ref, key, version, writes)
@@ -251,15 +258,6 @@ class Mirror:
         self.held = 0  # bytes of the shadows of the entries (ShadowMode(max_shadow_bytes=...))
         self.adopted = 0  # storages first seen mid-run, adopted by exact upcast
         self.reinterpreted = 0  # reads through a view of another dtype size, served from the device
-
-    # --- which tensors are mirrored ---
-    def shadow_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
-        try:
-            return self._dtypes[dtype]
-        except KeyError:
-            sd = shadow_dtype_of(dtype)
-            sd = self._dtypes[dtype] = dtype if sd is None and self._follow_reference else sd
-            return sd
 
     # --- reading ---
     def entry(self, t: torch.Tensor) -> _Entry:
