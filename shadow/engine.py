@@ -407,9 +407,11 @@ class Engine:
 
     # --- after the device op ---
     def _finish(self, p: Prepared, args, kwargs, out) -> None:
-        plan = p.plan
+        plan, chain = p.plan, p.chain
+        # a chain of one rule (the default rule's, most ops) answers what run_chain would, without its frame
+        replay = chain[0] if len(chain) == 1 else lambda r: run_chain(chain, r)
         try:
-            kind, souts = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local, self.scratch))
+            kind, souts = replay(Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local, self.scratch))
         except Unsupported as exc:
             self._adopt_all(plan, args, kwargs, out)
             self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=p.inputs)
@@ -433,7 +435,7 @@ class Engine:
             self._deferred.append(_Pending(p, args, kwargs, out, kind, souts, self.attr.where(
                 plan.func, args, kwargs, out, self._index), _storages(written), self.mirror.adopted))
             return
-        louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out, scratch=self.scratch))[1] \
+        louts = replay(Replay(plan, p.local.args, p.local.kwargs, out, scratch=self.scratch))[1] \
             if p.local is not None else None
         if not (p.direct and self._conclude_direct(p, args, kwargs, out, kind, souts, louts)):
             self._conclude(p, args, kwargs, out, kind, souts, louts)

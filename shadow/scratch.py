@@ -41,6 +41,7 @@ class Scratch:
     def __init__(self) -> None:
         self._storages: list[torch.UntypedStorage] = []
         self.limit = math.inf  # idle bytes the pool may hold (set_limit)
+        self.smallest = MIN_BYTES if _use_count is not None else math.inf  # the bytes from which tensors are pooled
         self._peaks: dict[int, int] = {}  # size class -> the most bytes its storages have had in use at once
 
     @property
@@ -92,10 +93,9 @@ class Scratch:
             return torch.empty_strided(shape, stride, dtype=dtype)
         return self._tensor(shape, stride, dtype)
 
-    @staticmethod
-    def pools(nbytes: int) -> bool:
+    def pools(self, nbytes: int) -> bool:
         """Whether a CPU tensor of ``nbytes`` comes from the pool."""
-        return nbytes >= MIN_BYTES and _use_count is not None
+        return nbytes >= self.smallest
 
     def _tensor(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
         # the storage spans the elements the strides reach (a dense layout: all of them)
