@@ -41,7 +41,8 @@ class Scratch:
     def __init__(self) -> None:
         self._storages: list[torch.UntypedStorage] = []
         self.limit = math.inf  # idle bytes the pool may hold (set_limit)
-        self.smallest = MIN_BYTES if _use_count is not None else math.inf  # the bytes from which tensors are pooled
+        # CPU tensors of at least this many bytes are pooled (none without use counts)
+        self.smallest = MIN_BYTES if _use_count is not None else math.inf
         self._peaks: dict[int, int] = {}  # size class -> the most bytes its storages have had in use at once
 
     @property
@@ -75,7 +76,7 @@ class Scratch:
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``copy(t, dtype, device)``, in pooled memory when it is a large copy from the CPU to the CPU."""
-        if not self.pools(t.numel() * dtype.itemsize) or device.type != "cpu" or t.device.type != "cpu" \
+        if t.numel() * dtype.itemsize < self.smallest or device.type != "cpu" or t.device.type != "cpu" \
                 or t._is_zerotensor():
             return copy(t, dtype, device)
         stride = torch.empty_like(t, dtype=dtype, device="meta").stride()  # preserve_format, as .to does
@@ -83,19 +84,15 @@ class Scratch:
 
     def empty_like(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``torch.empty_like(t, dtype=dtype)``: in pooled memory when it is large and on the CPU."""
-        if not self.pools(t.numel() * dtype.itemsize) or t.device.type != "cpu":
+        if t.numel() * dtype.itemsize < self.smallest or t.device.type != "cpu":
             return torch.empty_like(t, dtype=dtype)
         return self._tensor(t.shape, torch.empty_like(t, dtype=dtype, device="meta").stride(), dtype)
 
     def empty_strided(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized CPU tensor of this shape, strides and dtype, in pooled memory when it is large."""
-        if not self.pools(math.prod(shape) * dtype.itemsize):
+        if math.prod(shape) * dtype.itemsize < self.smallest:
             return torch.empty_strided(shape, stride, dtype=dtype)
         return self._tensor(shape, stride, dtype)
-
-    def pools(self, nbytes: int) -> bool:
-        """Whether a CPU tensor of ``nbytes`` comes from the pool."""
-        return nbytes >= self.smallest
 
     def _tensor(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
         # the storage spans the elements the strides reach (a dense layout: all of them)

@@ -87,7 +87,7 @@ def pooled_call(plan: OpPlan, args: list, kwargs: dict, scratch: Any, nbytes: in
     ``WRITERS``. The result is the one the kernel would allocate: its shape, strides and dtype are read from
     the op's meta kernel. Replays (``default_rule``) and the bounds that run the op on magnitudes call it."""
     chain = () if scratch is None or nbytes < scratch.smallest or plan.writes or len(plan.returns) != 1 \
-        else WRITERS.chain(plan.func)  # (a small result, most calls: no call of Scratch.pools)
+        else WRITERS.chain(plan.func)
     if not chain or any(not t.is_cpu for _, t in plan.tensors(args, kwargs)):
         return plan.call(*args, **kwargs)
     try:
