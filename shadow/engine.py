@@ -25,7 +25,7 @@ from .devices import cpu_fallback
 from .errors import ShadowMemoryError, Unsupported
 from .metrics import _fused  # the numba kernels (None without numba)
 from .metrics import ErrorStats, compare, compare_pair, count_flips
-from .mirror import CPU, SHADOW_DTYPES, Mirror, Placement, any_nonfinite, shadow_dtype_of
+from .mirror import CPU, SHADOW_DTYPES, Mirror, Placement, any_nonfinite
 from .options import Options
 from .plan import ArgSpec, ArgType, OpPlan, flat_returns, plan_of
 from .records import BudgetInfo, Event, Kind, Record
@@ -407,11 +407,9 @@ class Engine:
 
     # --- after the device op ---
     def _finish(self, p: Prepared, args, kwargs, out) -> None:
-        plan, chain = p.plan, p.chain
-        # a chain of one rule (the default rule's, most ops) answers what run_chain would, without its frame
-        replay = chain[0] if len(chain) == 1 else lambda r: run_chain(chain, r)
+        plan = p.plan
         try:
-            kind, souts = replay(Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local, self.scratch))
+            kind, souts = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local, self.scratch))
         except Unsupported as exc:
             self._adopt_all(plan, args, kwargs, out)
             self._record(plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=p.inputs)
@@ -435,7 +433,7 @@ class Engine:
             self._deferred.append(_Pending(p, args, kwargs, out, kind, souts, self.attr.where(
                 plan.func, args, kwargs, out, self._index), _storages(written), self.mirror.adopted))
             return
-        louts = replay(Replay(plan, p.local.args, p.local.kwargs, out, scratch=self.scratch))[1] \
+        louts = run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out, scratch=self.scratch))[1] \
             if p.local is not None else None
         if not (p.direct and self._conclude_direct(p, args, kwargs, out, kind, souts, louts)):
             self._conclude(p, args, kwargs, out, kind, souts, louts)
@@ -636,7 +634,7 @@ class Engine:
             raise Unsupported(p.plan.name, _NESTED.format("result"))
         if sh.shape != dev.shape:  # a data-dependent shape the shadow did not reproduce: the device's adopted
             return Compared(mismatch=1, exact=True, keep=self.mirror.upcast(dev) if sd is not None else None)
-        if shadow_dtype_of(dev.dtype) is None:  # discrete result
+        if SHADOW_DTYPES.get(dev.dtype) is None:  # discrete result
             flips = count_flips(dev, sh)
             lflips = count_flips(dev, lo) if isinstance(lo, torch.Tensor) and lo.shape == dev.shape else 0
             # follow="reference": the shadow keeps its own discrete result
@@ -770,7 +768,7 @@ class Engine:
         for o in outputs.items:
             d = o.device
             if o.slot is None or o.slot >= len(flat) or not isinstance(d, torch.Tensor) \
-                    or shadow_dtype_of(d.dtype) is None:
+                    or SHADOW_DTYPES.get(d.dtype) is None:
                 continue
             ref, c = o.reference, flat[o.slot]
             if isinstance(c, torch.Tensor) and isinstance(ref, torch.Tensor) and c.shape == ref.shape:
@@ -964,7 +962,7 @@ def _remap_args(plan: OpPlan, place: Placement, a: Args) -> None:
 
 def _remap(plan: OpPlan, name: str, v: Any, place: Placement) -> Any:
     if isinstance(v, torch.dtype):
-        return shadow_dtype_of(v) or v
+        return SHADOW_DTYPES.get(v) or v
     if isinstance(v, torch.device):
         return place(v)
     # a factory op's default device is the CPU: its shadow goes to the device chosen for every shadow
