@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -15,7 +14,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from .errors import ReportFormatError
 from .metrics import ErrorStats
-from .records import Event, Kind, Phase, Record, numbers
+from .records import BudgetInfo, Event, Kind, Phase, Record, numbers
+from .spot import SpotStats
 from .trajectory import StepDrift
 
 FORMAT = "shadow-report"
@@ -547,7 +547,10 @@ def _cell_dicts(cells: dict[tuple[str, str, str, str], Aggregate], fields: Itera
 
 
 def _gc_untrack() -> Callable[[Any], None] | None:
-    """CPython's ``PyObject_GC_UnTrack`` (None on another Python, where records stay tracked)."""
+    """CPython's ``PyObject_GC_UnTrack`` (None on another Python, where records stay tracked, or where a record's
+    type is not one the collector tracks, whose objects have no tracking header to clear)."""
+    if not all(t.__flags__ & _HAVE_GC for t in (Record, ErrorStats, BudgetInfo, SpotStats)):
+        return None
     try:
         fn = ctypes.pythonapi.PyObject_GC_UnTrack
     except AttributeError:
@@ -556,6 +559,7 @@ def _gc_untrack() -> Callable[[Any], None] | None:
     return fn
 
 
+_HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects carry the collector's header
 _GC_UNTRACK = _gc_untrack()
 
 
@@ -565,11 +569,11 @@ def _untrack(rec: Record) -> None:
     every object of the process: 7-13 us a call over a long run of small ops, and a third of a small GPT-2's
     shadowed step (benchmarks/records_gc.py). A record and its figures hold numbers, strings and each other, never
     a reference back, so no cycle the collector could free runs through them; reference counting frees them.
-    Only tracked objects (instances of collected types) are untracked."""
+    Each is an instance of a collected type (``_gc_untrack`` checks), which untracking twice leaves untracked."""
     if _GC_UNTRACK is None:
         return
     for o in (rec, rec.local, rec.drift, rec.budget, rec.spot, rec.cpu):
-        if o is not None and gc.is_tracked(o):
+        if o is not None:
             _GC_UNTRACK(o)
 
 

@@ -23,6 +23,7 @@ aten = torch.ops.aten
 RISK_FACTOR = 2.0**10  # roundings of float64 error (2**-53 * magnitude) that must fit in the trust tolerance
 TRUST_RATIO = 0.01  # the reference may err by at most 1% of the device's error
 _NONFINITE = (finf, fninf, fnan)  # mpf tuples
+_READ_WHOLE = 64  # a CPU tensor of at most this many elements is read whole: one tolist costs less than two items
 _mpmath_lock = threading.Lock()  # mpmath's precision is process-wide; backward may run on other threads
 
 
@@ -74,7 +75,7 @@ class SpotStats:
         )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 5x (each field set by object.__setattr__)
 class Sample:
     """One checked element: output ``output`` at ``index``, its exact value correctly rounded to
     float64 (``exact``), the float64 reference and the device value, and the errors and verdict."""
@@ -152,12 +153,16 @@ def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index:
 
 
 # --- the check of given elements ---
-def _gather(t: torch.Tensor, coords: Sequence[tuple[int, ...]]) -> list[float]:
-    """Elements of ``t`` at ``coords``, as float64 numbers. On the CPU element by element (a few us
-    each); elsewhere one gather and one transfer (one synchronization)."""
+def _gather(t: torch.Tensor, flats: Sequence[int], coords: Sequence[tuple[int, ...]]) -> list[float]:
+    """Elements of ``t`` at the flat indices ``flats`` (``coords``: the same as coordinates), as float64 numbers.
+    On the CPU a small tensor is read whole (one ``tolist``), a larger one element by element (a few us each);
+    elsewhere one gather and one transfer (one synchronization)."""
     if t.dim() == 0:
         return [float(t.item())] * len(coords)
     if t.device.type == "cpu":
+        if t.numel() <= _READ_WHOLE:
+            values = t.reshape(-1).tolist()
+            return [float(values[f]) for f in flats]
         return [float(t[c].item()) for c in coords]
     cols = tuple(torch.tensor(col, dtype=torch.int64, device=t.device) for col in zip(*coords))
     return t.detach()[cols].to("cpu", torch.float64).tolist()
@@ -210,7 +215,7 @@ def spot_check(
             dev, r = device_outputs[k], reference_outputs[k]
             shape = tuple(r.shape)
             indices = [_coords(flat, shape) for flat in flats]
-            for index, y, rv in zip(indices, _gather(dev, indices), _gather(r, indices)):
+            for index, y, rv in zip(indices, _gather(dev, flats, indices), _gather(r, flats, indices)):
                 try:
                     e = ref.element(call, index)
                 except NoReference as exc:
