@@ -198,8 +198,12 @@ class Budget:
         self.ulps = ulps
         self._outputs = list(outputs)
         self._dtype = dtype
-        self._make = bound if callable(bound) else None
-        self._bound = None if callable(bound) else (tuple(bound) if bound is not None else None)
+        if bound is None:
+            self._make = self._bound = None
+        elif callable(bound):
+            self._make, self._bound = bound, None
+        else:
+            self._make, self._bound = None, tuple(bound)
         self._scale_sq = scale_sq
         self._formulas = formulas
         self._built = None
@@ -490,7 +494,7 @@ class InUlps:
         """The budget of a call with these float64 reference outputs in the device ``dtype``: ``budget_for``'s."""
         if _nothing_to_bound(outputs):
             return Budget.in_ulps("empty", 0.0, outputs, dtype)
-        return Budget.in_ulps(self.family, self.ulps, outputs, dtype, is_default=self.is_default)
+        return Budget(self.family, None, outputs=outputs, dtype=dtype, is_default=self.is_default, ulps=self.ulps)
 
 
 def _nothing_to_bound(outputs: Sequence[Any]) -> bool:

@@ -36,10 +36,10 @@ class Call:
     args: tuple
     kwargs: Mapping[str, Any]
     output: int = 0
+    plan: OpPlan = dataclasses.field(init=False, repr=False)  # the op's, looked up once: rules read many arguments
 
-    @property
-    def plan(self) -> OpPlan:
-        return plan_of(self.func)
+    def __post_init__(self) -> None:
+        self.plan = plan_of(self.func)
 
     def arg(self, name: str, default: Any = None) -> Any:
         """The argument ``name`` as passed, else its schema default, else ``default``."""
