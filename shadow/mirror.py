@@ -143,8 +143,8 @@ class Placement:
 
 
 class _Entry:
-    __slots__ = ("weak", "key", "base", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite", "drift",
-                 "adopted")
+    __slots__ = ("weak", "key", "base", "shaped", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite",
+                 "drift", "adopted")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
                  nonfinite: bool):
@@ -153,6 +153,9 @@ class _Entry:
         self.weak = storage._weak_ref()
         self.key = storage._cdata
         self.base = base  # 1-D shadow of the whole storage
+        # base as the output that covers the storage from its start shaped it (Mirror.assign), or None: a read of
+        # a tensor of that geometry is served from it without a strided view's cost
+        self.shaped: torch.Tensor | None = None
         self.sptr = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
         self.itemsize = itemsize
         self.nbytes = storage.nbytes()
@@ -270,6 +273,10 @@ class Mirror:
 
     def view(self, t: torch.Tensor, e: _Entry) -> torch.Tensor:
         """The shadow of tensor t (a view into its storage's shadow when the layouts agree)."""
+        s = e.shaped
+        if s is not None and s.shape == t.shape and s.stride() == t.stride() and not t.storage_offset() \
+                and e.itemsize == t.element_size() and not (t.is_conj() or t.is_neg()):
+            return s.detach()  # a tensor object of its own, as a view is: a replay may change its metadata (resize_)
         if e.itemsize != t.element_size():
             pair = _as_pair(e.base, e.itemsize, t)
             if pair is not None:
@@ -354,12 +361,14 @@ class Mirror:
             and not (t.is_conj() or t.is_neg() or value.is_conj() or value.is_neg())  # base holds raw values
         ):
             base = value if value.dim() == 1 else value.reshape(-1)
+            shaped = value
         else:  # the output does not cover its storage: the rest is what the device holds
             base = _storage_values(t, n).to(device=self.place(t.device), dtype=sd, copy=True)
             _write_region(base, t, value)
+            shaped = None
         new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
                      nonfinite if numel == n else nonfinite or any_nonfinite(_storage_values(t, n)))
-        new.drift = drift
+        new.drift, new.shaped = drift, shaped
         self._put(key, new)
         return new
 

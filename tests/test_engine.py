@@ -72,6 +72,24 @@ def test_set_and_resize():
     assert same(sm, d)  # the uninitialized tail is the device's own bytes
 
 
+def test_a_fresh_outputs_shadow_serves_every_geometry_read_of_it():
+    # y covers its storage: reads in its own geometry are served from the shadow as the replay shaped it, the
+    # others through strided views; each read is a tensor of its own, so resizing one leaves the stored one alone
+    x = torch.randn(3, 4)
+    with ShadowMode() as sm:
+        y = x * 3.0
+        a, b, c, v = y * 2.0, y.t() * 2.0, y[1:] * 2.0, y.view(2, 6) * 2.0
+        g = torch._neg_view(y) * 2.0  # y's geometry, read negated
+        y.resize_(12)
+        d = y * 2.0
+        e = y.view(3, 4) * 2.0
+    exact = x.double() * 3.0  # float32 times 3 is exact in float64
+    for t, want in ((a, exact * 2), (b, exact.t() * 2), (c, exact[1:] * 2), (v, exact.view(2, 6) * 2), (g, -exact * 2),
+                    (d, exact.reshape(12) * 2), (e, exact * 2), (y, exact.reshape(12))):
+        assert torch.equal(sm.shadow_of(t), want)
+    assert sm.report.coverage.internal_errors == 0 and sm.report.coverage.unobserved_writes == 0
+
+
 def test_fp32_resize_keeps_the_shadow_of_existing_values():
     x = torch.tensor([1.0, 3.0])
     with ShadowMode() as sm:
