@@ -153,8 +153,8 @@ class _Entry:
         self.weak = storage._weak_ref()
         self.key = storage._cdata
         self.base = base  # 1-D shadow of the whole storage
-        # base as the output that covers the storage from its start shaped it (Mirror.assign), or None: a read of
-        # a tensor of that geometry is served from it without a strided view's cost
+        # base as the tensor that covers the storage from its start shaped it (an output, or the tensor adopted), or
+        # None: a read of a tensor of that geometry is served from it without a strided view's cost
         self.shaped: torch.Tensor | None = None
         self.sptr = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
         self.itemsize = itemsize
@@ -297,15 +297,19 @@ class Mirror:
             self.adopted += 1
             e = _Entry(st, base, itemsize, exact=True, writes=0, nonfinite=any_nonfinite(base))
             e.adopted = self.adopted
-            return self._keep(st, e)
+            return self._keep(st, e, t)
         if old.itemsize == itemsize and old.nbytes < st.nbytes():
             # the storage grew in place (resize_, out= resizing): its old contents are kept, so is their shadow
             base[: old.base.numel()] = old.base
             return self._keep(st, _Entry(st, base, itemsize, exact=old.exact, writes=old.writes,
-                                         nonfinite=old.nonfinite or any_nonfinite(base)))
-        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes, nonfinite=any_nonfinite(base)))
+                                         nonfinite=old.nonfinite or any_nonfinite(base)), t)
+        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes, nonfinite=any_nonfinite(base)), t)
 
-    def _keep(self, st: torch.UntypedStorage, e: _Entry) -> _Entry:
+    def _keep(self, st: torch.UntypedStorage, e: _Entry, t: torch.Tensor) -> _Entry:
+        """Keep an adopted storage's entry, shaped as t where t covers the storage from its start (its reads)."""
+        if t.numel() == e.base.numel() and not t.storage_offset() and t.is_contiguous() \
+                and not (t.is_conj() or t.is_neg()):
+            e.shaped = e.base.view(t.shape)
         self._put(st._cdata, e)
         return e
 
