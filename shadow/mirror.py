@@ -274,7 +274,7 @@ class Mirror:
     def view(self, t: torch.Tensor, e: _Entry) -> torch.Tensor:
         """The shadow of tensor t (a view into its storage's shadow when the layouts agree)."""
         s = e.shaped
-        if s is not None and s.shape == t.shape and s.stride() == t.stride() and not t.storage_offset() \
+        if s is not None and s.shape == t.size() and s.stride() == t.stride() and not t.storage_offset() \
                 and e.itemsize == t.element_size() and not (t.is_conj() or t.is_neg()):
             return s.detach()  # a tensor object of its own, as a view is: a replay may change its metadata (resize_)
         if e.itemsize != t.element_size():
@@ -309,7 +309,7 @@ class Mirror:
         """Keep an adopted storage's entry, shaped as t where t covers the storage from its start (its reads)."""
         if t.numel() == e.base.numel() and not t.storage_offset() and t.is_contiguous() \
                 and not (t.is_conj() or t.is_neg()):
-            e.shaped = e.base.view(t.shape)
+            e.shaped = e.base.view(t.size())  # size(), as _region reads it: a subclass may refuse .shape (lazy modules')
         self._put(st._cdata, e)
         return e
 
