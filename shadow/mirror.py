@@ -143,8 +143,8 @@ class Placement:
 
 
 class _Entry:
-    __slots__ = ("weak", "key", "base", "shaped", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite",
-                 "drift", "adopted")
+    __slots__ = ("weak", "key", "base", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite", "drift",
+                 "adopted")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
                  nonfinite: bool):
@@ -153,9 +153,6 @@ class _Entry:
         self.weak = storage._weak_ref()
         self.key = storage._cdata
         self.base = base  # 1-D shadow of the whole storage
-        # base as the tensor that covers the storage from its start shaped it (an output, or the tensor adopted), or
-        # None: a read of a tensor of that geometry is served from it without a strided view's cost
-        self.shaped: torch.Tensor | None = None
         self.sptr = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
         self.itemsize = itemsize
         self.nbytes = storage.nbytes()
@@ -273,10 +270,6 @@ class Mirror:
 
     def view(self, t: torch.Tensor, e: _Entry) -> torch.Tensor:
         """The shadow of tensor t (a view into its storage's shadow when the layouts agree)."""
-        s = e.shaped
-        if s is not None and s.shape == t.size() and s.stride() == t.stride() and not t.storage_offset() \
-                and e.itemsize == t.element_size() and not (t.is_conj() or t.is_neg()):
-            return s.detach()  # a tensor object of its own, as a view is: a replay may change its metadata (resize_)
         if e.itemsize != t.element_size():
             pair = _as_pair(e.base, e.itemsize, t)
             if pair is not None:
@@ -297,19 +290,15 @@ class Mirror:
             self.adopted += 1
             e = _Entry(st, base, itemsize, exact=True, writes=0, nonfinite=any_nonfinite(base))
             e.adopted = self.adopted
-            return self._keep(st, e, t)
+            return self._keep(st, e)
         if old.itemsize == itemsize and old.nbytes < st.nbytes():
             # the storage grew in place (resize_, out= resizing): its old contents are kept, so is their shadow
             base[: old.base.numel()] = old.base
             return self._keep(st, _Entry(st, base, itemsize, exact=old.exact, writes=old.writes,
-                                         nonfinite=old.nonfinite or any_nonfinite(base)), t)
-        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes, nonfinite=any_nonfinite(base)), t)
+                                         nonfinite=old.nonfinite or any_nonfinite(base)))
+        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes, nonfinite=any_nonfinite(base)))
 
-    def _keep(self, st: torch.UntypedStorage, e: _Entry, t: torch.Tensor) -> _Entry:
-        """Keep an adopted storage's entry, shaped as t where t covers the storage from its start (its reads)."""
-        if t.numel() == e.base.numel() and not t.storage_offset() and t.is_contiguous() \
-                and not (t.is_conj() or t.is_neg()):
-            e.shaped = e.base.view(t.size())  # size(), as _region reads it: a subclass may refuse .shape (lazy modules')
+    def _keep(self, st: torch.UntypedStorage, e: _Entry) -> _Entry:
         self._put(st._cdata, e)
         return e
 
@@ -365,14 +354,12 @@ class Mirror:
             and not (t.is_conj() or t.is_neg() or value.is_conj() or value.is_neg())  # base holds raw values
         ):
             base = value if value.dim() == 1 else value.reshape(-1)
-            shaped = value
         else:  # the output does not cover its storage: the rest is what the device holds
             base = _storage_values(t, n).to(device=self.place(t.device), dtype=sd, copy=True)
             _write_region(base, t, value)
-            shaped = None
         new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
                      nonfinite if numel == n else nonfinite or any_nonfinite(_storage_values(t, n)))
-        new.drift, new.shaped = drift, shaped
+        new.drift = drift
         self._put(key, new)
         return new
 

@@ -72,9 +72,9 @@ def test_set_and_resize():
     assert same(sm, d)  # the uninitialized tail is the device's own bytes
 
 
-def test_a_fresh_outputs_shadow_serves_every_geometry_read_of_it():
-    # y covers its storage: reads in its own geometry are served from the shadow as the replay shaped it, the
-    # others through strided views; each read is a tensor of its own, so resizing one leaves the stored one alone
+def test_every_geometry_read_of_a_fresh_output_gets_its_shadow():
+    # y covers its storage: its own, transposed, sliced, reshaped, negated and resized reads each get the shadow of
+    # what they read; resizing y in place leaves the shadow of its values as they were
     x = torch.randn(3, 4)
     with ShadowMode() as sm:
         y = x * 3.0
