@@ -163,10 +163,6 @@ class _Entry:
         self.drift = 0.0  # rel_norm of the drift of the last value written (a partial write: the larger)
         self.adopted = 0  # Mirror.adopted when this storage was first seen holding values no op shadow saw wrote
 
-    def expired(self) -> bool:
-        """The storage died."""
-        return _expired(self.weak)
-
     # the function is bound here, not looked up at deletion: torch's module may be gone at interpreter exit
     def __del__(self, _free=torch.UntypedStorage._free_weak_ref) -> None:
         _free(self.weak)
@@ -455,7 +451,7 @@ class Mirror:
         return self.view(t, self.entry(t))  # entry() adopts a new storage, follows one resized since last seen
 
     def shadow_bytes(self) -> int:
-        return sum(e.held for e in self._entries.values() if not e.expired())
+        return sum(e.held for e in self._entries.values() if not _expired(e.weak))
 
     def device_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values() if not e.expired())
+        return sum(e.nbytes for e in self._entries.values() if not _expired(e.weak))

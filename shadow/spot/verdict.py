@@ -75,7 +75,8 @@ class SpotStats:
         )
 
 
-@dataclasses.dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 5x (each field set by object.__setattr__)
+# not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__ (5x the cost)
+@dataclasses.dataclass(slots=True)
 class Sample:
     """One checked element: output ``output`` at ``index``, its exact value correctly rounded to
     float64 (``exact``), the float64 reference and the device value, and the errors and verdict."""
