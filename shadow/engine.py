@@ -36,12 +36,14 @@ from .rules import run_chain
 from .scratch import Scratch
 from .spot import SpotPolicy, SpotStats
 from .spot.sampling import top_positions
+from .transfer import HostCopies
 
 _INF = math.inf
 # the engine's frames below __torch_dispatch__ on the direct path (_conclude_direct, _finish, dispatch): its call of
 # Attribution.where starts the call-site walk above them (tests/test_engine.py holds its call sites to the general
 # path's, which walks every frame)
 _DIRECT_FRAMES = 3
+_COPIES_FLOOR = 8 << 20  # bytes of device values read over that may be kept however few the shadows' (shadow.transfer)
 # Shadow's own work must reach no dispatch mode (none below sees it, the engine records none of its ops). It
 # records no autograd graph either: every tensor it makes is a detached copy (mirror.upcast; copying a lazy
 # module's uninitialized parameter with autograd on created its gradient accumulator with the wrong shape).
@@ -158,6 +160,9 @@ class Engine:
                              Placement(options.shadow_device, options.max_shadow_bytes or 0))
         self.spot = SpotPolicy(options.spot_checks)
         self.scratch = Scratch()  # reused memory for an op call's large temporaries (shadow.scratch)
+        # device values read over to where their shadows live, one crossing per storage version (shadow.transfer),
+        # kept within 1/32 of the shadows' bytes (at least 8 MiB)
+        self.copies = HostCopies(lambda d: self.mirror.place(d), lambda: max(_COPIES_FLOOR, self.mirror.held / 32))
         # id(op) -> (plan, replay chain, direct, fixed budget rule), or None: an id hashes in C where an OpOverload's
         # hash is a Python method; _ops holds every op seen, so that its id stays its own
         self._plans: dict[int, tuple[OpPlan, tuple, bool, InUlps | None] | None] = {}
@@ -266,6 +271,8 @@ class Engine:
         read it before) takes the device's values again, as a write shadow saw."""
         self.report.out_of_scope()
         m = self.mirror
+        if self.copies.held:  # device values read over before this write are out of date
+            self.copies.drop(plan.tensors(args, kwargs, plan.writes))
         for _, t in plan.tensors(args, kwargs, plan.writes):
             if t.layout == torch.strided and not t.is_nested and t.device.type != "meta" \
                     and m.shadow_dtype(t.dtype) is not None and m.known(t) is not None:
@@ -299,6 +306,8 @@ class Engine:
         e = m.entry(t)
         if m.unobserved_write(t, e):
             m.resync(t)
+            if self.copies.held:
+                self.copies.drop([(None, t)])
             e = m.entry(t)
             self.report.unobserved_write(Event(
                 self._index, plan.name, "unobserved_write",
@@ -338,12 +347,19 @@ class Engine:
             def up(t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
                 c = seen.get(id(t))
                 if c is None:
-                    c = seen[id(t)] = self.scratch.copy(t, self.mirror.shadow_dtype(t.dtype) or t.dtype, place(t.device))
+                    d = t.device
+                    to = place(d)
+                    v = t
+                    if to != d:  # read over once per storage version, with the call's other inputs
+                        v = self.copies.read(t, p.inputs)
+                    c = seen[id(t)] = self.scratch.copy(v, self.mirror.shadow_dtype(t.dtype) or t.dtype, to)
                 return c
 
             p.local = Args(*plan.map_tensors(args, kwargs, up))
             if plan.remap_args:
                 _remap_args(plan, place, p.local)
+        if plan.writes and self.copies.held:  # the op writes these: copies read over before it are out of date
+            self.copies.drop(plan.tensors(args, kwargs, plan.writes))
         dtype = p.inputs[0].dtype if p.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
         p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
@@ -390,8 +406,11 @@ class Engine:
         m = self.mirror
         sd = m.shadow_dtype(t.dtype)
         if sd is None:  # discrete, following the device: its values, never written back
-            c = t.to(m.place(t.device))
-            return c.clone() if write and c is t else c
+            d = t.device
+            to = m.place(d)
+            if to != d:  # read over once per storage version (a copy kept is never handed out to be written)
+                return self.copies.read(t, keep=not write)
+            return t.clone() if write else t
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
             return torch.zeros(t.shape, dtype=sd, device=m.place(t.device))
         e = self._entry(p.plan, t)
@@ -493,7 +512,7 @@ class Engine:
             if budget is not None and ulps is None:
                 bounds = budget.compared
                 bound = bounds[i] if i < len(bounds) else None
-            compared.append(self._figures(Compared(keep=s), d, s, lo, d.dtype, bound, ulps))
+            compared.append(self._figures(Compared(keep=s), self._near(d, devs), s, lo, d.dtype, bound, ulps))
         verdict = self._verdict(p, compared, budget, spot)
         for d, c in zip(devs, compared):
             self._commit(p, d, bool(plan.writes), c)
@@ -585,7 +604,7 @@ class Engine:
             if isinstance(o.device, torch.Tensor):
                 defined = regions[o.slot] if regions is not None and o.slot is not None and o.slot < len(regions) \
                     else None
-                compared.append(self._compare(p, o, o.device.dtype, budget, defined))
+                compared.append(self._compare(p, o, o.device.dtype, budget, defined, outputs.items))
             else:  # a number (.item(), equal): compared, never kept
                 dtype = next((t.dtype for t in p.inputs), torch.float64)
                 lo = None if o.local is None else _scalar(o.local, dtype)
@@ -621,9 +640,10 @@ class Engine:
         return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 
     def _compare(self, p: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None,
-                 defined: torch.Tensor | None = None) -> Compared:
+                 defined: torch.Tensor | None = None, others: list[Output] = ()) -> Compared:
         """One output's figures; ``dtype``: the device dtype its error is measured in; ``defined``: the elements
-        the op defines (None: all), the only ones compared (the shadow keeps the device's bytes elsewhere)."""
+        the op defines (None: all), the only ones compared (the shadow keeps the device's bytes elsewhere);
+        ``others``: the call's outputs, read over with this one where their shadows live on another device."""
         dev, sh, lo = o.device, o.shadow, o.local
         sd = self.mirror.shadow_dtype(dev.dtype)
         if not isinstance(sh, torch.Tensor) or dev._is_zerotensor():
@@ -646,6 +666,7 @@ class Engine:
         if budget is not None and o.slot is not None and budget.ulps is None:
             bounds = budget.compared  # tensors, or formulas the comparison forms where it reads the reference
             bound = bounds[o.slot] if o.slot < len(bounds) else None
+        dev = self._near(dev, (x.device for x in others))
         keep, skipped = sh, 0
         if defined is not None and defined.shape == dev.shape and not bool(defined.all()):
             defined = defined.to(sh.device)
@@ -658,6 +679,13 @@ class Engine:
             bound = torch.broadcast_to(bound, defined.shape)[defined] if isinstance(bound, torch.Tensor) else bound
         return self._figures(Compared(keep=keep, skipped=skipped), dev, sh, lo, dtype, bound,
                              budget.ulps if budget is not None and o.slot is not None else None)
+
+    def _near(self, d: torch.Tensor, batch: Any) -> torch.Tensor:
+        """``d``, or where its shadow lives on another device, its values read over with the call's other outputs in
+        ``batch`` (``shadow.transfer``): kept for the next op that reads them, when that op's local replay will."""
+        if (d.is_cpu and self.mirror.place.cpu_home) or not self.copies.crosses(d):
+            return d
+        return self.copies.read(d, batch, keep=self.opt.local)
 
     def _figures(self, c: Compared, dev: torch.Tensor, sh: torch.Tensor, lo: Any, dtype: torch.dtype, bound: Any,
                  ulps: float | None) -> Compared:

@@ -114,12 +114,13 @@ class Placement:
     ``choice``: ``"auto"`` or a device (``parse_shadow_device``'s result); ``min_free``: bytes "auto" wants
     free on a GPU besides its share (``max_shadow_bytes``)."""
 
-    __slots__ = ("choice", "min_free", "fixed", "_resolved")
+    __slots__ = ("choice", "min_free", "fixed", "cpu_home", "_resolved")
 
     def __init__(self, choice: str | torch.device = CPU, min_free: int = 0):
         self.choice = choice
         self.min_free = min_free
         self.fixed = choice if isinstance(choice, torch.device) else None  # one device for every shadow
+        self.cpu_home = self.fixed is None or self.fixed == CPU  # CPU tensors' shadows live on the CPU ("auto" too)
         self._resolved: dict[torch.device, torch.device] = {}
 
     def __call__(self, device: torch.device) -> torch.device:

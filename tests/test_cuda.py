@@ -286,6 +286,28 @@ def test_gpu_shadows_leave_the_device_results_unchanged():
     assert sm.report.coverage.internal_errors == 0
 
 
+def test_cpu_shadows_read_each_result_over_once():
+    """shadow_device="cpu" on a GPU (shadow.transfer): each result crosses once (pinned, non-blocking, one
+    synchronization per batch) for its comparisons, and the copy serves the next op's local replay; the device
+    computes the same bits, and CUDA's float32 multiplication rounds correctly (at most half an ulp)."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, device="cuda")
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(8):
+            y = y * 1.0001
+        return y
+
+    plain = chain()
+    with ShadowMode(shadow_device="cpu") as sm:
+        shadowed = chain()
+    copies = sm._engine.copies
+    assert torch.equal(plain, shadowed) and sm.report.coverage.internal_errors == 0
+    assert (copies.transfers, copies.batches) == (8, 8)  # x is adopted exactly: no local replay reads it
+    assert all(r.local.max_ulp <= 0.5 for r in sm.report.records)
+
+
 def test_auto_keeps_shadows_on_a_gpu_with_room():
     """"auto" (the default) decides once per device, at the first tensor it sees there: the GPU when at least
     AUTO_FREE_SHARE of its memory is free."""

@@ -200,8 +200,9 @@ def test_the_shadow_data_path_hard_codes_no_cpu():
         "engine.py": ('lambda t, _: t.detach().to("cpu", copy=True))  # the kernel may write',  # compare_cpu
                       'spec.put(a, kw, torch.device("cpu"))', 'place.fixed.type != "cpu"'),
         "mirror.py": ('CPU = torch.device("cpu")', 'if device.type == "cpu":', '# --- where shadows live'),
+        "transfer.py": ('elif t.is_cuda and to.type == "cpu":', 'shadow_device="cpu"'),  # pinned memory, the docstring
     }
-    files = ["engine.py", "mirror.py", "replay/rules.py", "replay/kernels.py", "replay/attention.py"]
+    files = ["engine.py", "mirror.py", "transfer.py", "replay/rules.py", "replay/kernels.py", "replay/attention.py"]
     for name in files:
         for i, line in enumerate((root / name).read_text().splitlines(), 1):
             if '"cpu"' in line:

@@ -166,6 +166,7 @@ class ShadowMode:
         finally:
             self._stepped.remove()
             self._engine.scratch.clear()  # working memory of op calls: none runs outside the block
+            self._engine.copies.clear()  # device values read over: writes outside the block go unseen
             self._attr.__exit__(*exc)
             self._mode = None
             for handle in self._adopting.values():

@@ -1,0 +1,226 @@
+"""Device values read over to where their shadows live elsewhere (``shadow.transfer``): each storage version
+crosses once, the tensors one call needs cross together, and nothing read over outlives a write.
+
+No GPU here: a placement fixed at ``cpu:0`` (a device that is not ``cpu`` to torch's comparison, and where CPU
+tensors land) makes every CPU tensor's shadow live "elsewhere", so the engine takes the path a GPU's or DirectML's
+tensors take under CPU shadows, and its figures must be the default path's, bit for bit. tests/test_cuda.py runs the
+path on a GPU (pinned, non-blocking copies).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shadow import ShadowMode
+from shadow.mirror import Placement
+from shadow.transfer import HostCopies, transfer
+
+ELSEWHERE = torch.device("cpu", 0)
+
+
+def _run(step, far: bool, limit: float | None = None, **options) -> ShadowMode:
+    """``step`` shadowed, with every shadow elsewhere when ``far``, and at most ``limit`` bytes of copies kept."""
+    torch.manual_seed(0)
+    sm = ShadowMode(**options)
+    with sm:
+        if far:
+            sm._engine.mirror.place = Placement(ELSEWHERE)
+        if limit is not None:
+            sm._engine.copies.limit = lambda: limit
+        step()
+    assert sm.report.coverage.internal_errors == 0, sm.report.coverage.unsupported
+    return sm
+
+
+def _figures(sm: ShadowMode) -> list:
+    return [(r.op, r.kind, r.local, r.drift, r.budget, r.flips, r.spot) for r in sm.report.records]
+
+
+def _both(step, limit: float | None = None, **options) -> tuple[ShadowMode, ShadowMode]:
+    """The step shadowed as usual and with every shadow elsewhere: the same figures."""
+    near, far = _run(step, False, limit, **options), _run(step, True, limit, **options)
+    assert _figures(far) == _figures(near)
+    assert near._engine.copies.transfers == 0
+    return near, far
+
+
+def _chains(n: int, ops: int):
+    """Two chains of ``ops`` multiplications each, their calls alternating: an op reads the result of the call before
+    the last."""
+    def step():
+        a, b = torch.randn(n), torch.randn(n)
+        for _ in range(ops):
+            a = a * 1.0001
+            b = b * 1.0002
+    return step
+
+
+@pytest.mark.parametrize("n", [4, 4096])  # the comparison's Python loop, and its fused pass
+def test_each_result_crosses_once(n):
+    """Each result crosses once, for its comparisons (drift and local), and its copy serves the next op's local
+    replay: one crossing per op (the chains' first inputs are adopted exactly: no local replay reads them). With no
+    copy kept beyond the last batch, each op's input crosses again."""
+    ops = 6
+    _, far = _both(_chains(n, ops))
+    copies = far._engine.copies
+    assert copies.transfers == 2 * ops and copies.batches == 2 * ops
+    assert copies.held == 0  # freed when the block ends
+    _, far = _both(_chains(n, ops), limit=0.0)
+    assert far._engine.copies.transfers == 2 * ops + 2 * (ops - 1)
+
+
+def test_a_training_step_gives_the_default_figures():
+    """Forward, backward and Adam's foreach ops (in place, on lists) with every shadow elsewhere: the figures of the
+    default path, with fewer crossings than reads."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step():
+        model.load_state_dict(state)
+        opt.state.clear()
+        x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    near, far = _both(step)
+    records = len(far.report.records)
+    assert records > 50
+    assert 0 < far._engine.copies.transfers < 2 * records
+
+
+def test_a_call_s_inputs_cross_in_one_batch():
+    """addcmul's inputs, results of earlier ops (inexact: its local replay reads them), none kept but the last
+    batch: those without a copy cross in one batch. Kept, they do not cross again."""
+    def step():
+        x = torch.randn(8)
+        a, b, c = x * 1.0001, x * 1.0002, x * 1.0003
+        torch.addcmul(a, b, c, value=0.5)
+
+    _, far = _both(step, limit=0.0)
+    copies = far._engine.copies
+    # the three results one by one; a and b together (c's copy, the last batch's, is at hand); addcmul's result
+    assert (copies.transfers, copies.batches) == (3 + 2 + 1, 3 + 1 + 1)
+    _, far = _both(step)
+    assert (far._engine.copies.transfers, far._engine.copies.batches) == (4, 4)
+
+
+def test_a_write_between_reads_is_read_again():
+    """y's copy is kept after y = x * 2; y.add_(1) writes it (its version moves, and shadow drops the copy): the
+    next read brings the written values over. A stale copy would make z's local reference (2x) * 3 instead of
+    (2x + 1) * 3: a local error of 3 where the default path reads at most half an ulp."""
+    def step():
+        x = torch.randn(16)
+        y = x * 2
+        y.add_(1)
+        z = y * 3
+        z.sum()
+
+    near, far = _both(step)
+    z = [r for r in far.report.records if r.op == "aten.mul.Tensor"][-1]
+    assert z.local.max_ulp <= 0.5
+
+
+def test_a_write_no_version_shows_is_read_again():
+    """native_batch_norm writes its running statistics without moving their version counters: the copies taken
+    before the call are dropped, so the second call's update reads the first call's result."""
+    bn = nn.BatchNorm1d(4)
+    state = {k: v.clone() for k, v in bn.state_dict().items()}
+
+    def step():
+        bn.load_state_dict(state)
+        x = torch.randn(8, 4)
+        for _ in range(3):
+            bn(x * 1.5)
+
+    near, far = _both(step)
+    calls = [r for r in far.report.records if "batch_norm" in r.op]
+    assert len(calls) == 3 and all(r.budget.used <= 1 for r in calls)
+
+
+def test_a_write_shadow_did_not_see_is_read_again():
+    """A write no op shows (dispatch disabled) moves the version counter: the copy is not handed out again, and the
+    mirror resyncs (an unobserved write)."""
+    def step():
+        x = torch.randn(16)
+        y = x * 2
+        with torch._C._DisableTorchDispatch():
+            y.add_(1)
+        (y * 3).sum()
+
+    near, far = _both(step)
+    assert far.report.coverage.unobserved_writes == 1
+    assert [r for r in far.report.records if r.op == "aten.mul.Tensor"][-1].local.max_ulp <= 0.5
+
+
+def test_discrete_inputs_cross_once():
+    """The indices of an embedding, read by the forward and by the backward: one crossing."""
+    emb = nn.Embedding(10, 4)
+    idx = torch.tensor([1, 3, 3, 7])
+
+    def step():
+        emb.zero_grad()
+        emb(idx).sum().backward()
+
+    counted = {}
+    real = transfer
+
+    def counting(tensors, to):
+        for t in tensors:
+            counted[t.dtype] = counted.get(t.dtype, 0) + 1
+        return real(tensors, to)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("shadow.transfer.transfer", counting)
+        _both(step)
+    assert counted[torch.int64] == 1
+
+
+def test_copies_kept_stay_within_their_limit():
+    """400-byte results under a 1000-byte limit: two kept at most, enough for two chains; under 100 bytes, none
+    beyond the last batch."""
+    for limit, transfers in ((1000.0, 10), (100.0, 18)):
+        held = []
+        sm = ShadowMode()
+        with sm:
+            sm._engine.mirror.place = Placement(ELSEWHERE)
+            copies = sm._engine.copies
+            copies.limit = lambda: limit
+            a, b = torch.randn(100), torch.randn(100)
+            for _ in range(5):
+                a = a * 1.0001
+                b = b * 1.0002
+                held.append(copies.held)
+        assert max(held) <= limit and copies.transfers == transfers, (limit, held, copies.transfers)
+
+
+def test_transfer_keeps_values_dtype_and_layout():
+    t = torch.randn(3, 5, dtype=torch.bfloat16).t()
+    (c,) = transfer([t], ELSEWHERE)
+    assert c.dtype == t.dtype and c.stride() == t.to(ELSEWHERE, copy=True).stride() and torch.equal(c, t)
+    assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    (z,) = transfer([torch._efficientzerotensor(3)], ELSEWHERE)
+    assert torch.equal(z, torch.zeros(3))
+
+
+def test_a_copy_is_forgotten_when_its_storage_dies_or_is_written():
+    copies = HostCopies(lambda d: ELSEWHERE, lambda: 1e9)
+    x = torch.randn(6)
+    a = copies.read(x)
+    assert copies.read(x) is a and copies.transfers == 1  # kept
+    assert copies.read(x[1:]) is not a and copies.transfers == 2  # another geometry: its own copy
+    copies.drop([(None, x)])  # a write shadow saw: every copy of the storage goes
+    assert copies.held == 0
+    b = copies.read(x)
+    x.mul_(2)  # the version moves
+    c = copies.read(x)
+    assert c is not b and torch.equal(c, x)
+    with torch.inference_mode():
+        i = torch.randn(3)
+    copies.read(i)
+    assert copies.read(i) is not None and copies.transfers == 6  # no version counter: never kept
