@@ -836,6 +836,8 @@ class Engine:
     def adopt(self, tensors: list[torch.Tensor]) -> None:
         """Make the device's values the shadow of ``tensors`` (results computed where shadow could not see)."""
         with _no_dispatch():
+            if self.copies.held:  # their values read over before are out of date
+                self.copies.drop((None, t) for t in tensors if isinstance(t, torch.Tensor))
             self._adopt(tensors)
 
     def _internal_error(self, plan: OpPlan, args, kwargs, out, exc: Exception) -> None:

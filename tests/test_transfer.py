@@ -224,3 +224,19 @@ def test_a_copy_is_forgotten_when_its_storage_dies_or_is_written():
         i = torch.randn(3)
     copies.read(i)
     assert copies.read(i) is not None and copies.transfers == 6  # no version counter: never kept
+
+
+def test_adopted_values_replace_the_copies_read_over():
+    """Values shadow adopts (computed where it could not see: a compiled module's outputs) replace the copies read
+    over before, even where no version counter moved (a write through numpy). x * z reads both over (z is inexact):
+    a stale copy of x would give the local reference 1.5 x_old z instead of 2 z."""
+    sm = ShadowMode()
+    with sm:
+        sm._engine.mirror.place = Placement(ELSEWHERE)
+        x = torch.randn(8) * 1.5  # a result: its copy kept
+        z = torch.randn(8) * 1.0001
+        x.numpy()[:] = 2.0  # no version moves
+        sm._engine.adopt([x])
+        (x * z).sum()
+    mul = [r for r in sm.report.records if r.op == "aten.mul.Tensor"][-1]
+    assert sm.report.coverage.internal_errors == 0 and mul.local.max_ulp == 0  # 2 z is exact
