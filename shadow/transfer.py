@@ -94,7 +94,8 @@ class HostCopies:
                 return found.host
         todo, keys, current = [t], [k], {}  # current: the batch's tensors that have a copy, which it keeps serving
         for b in batch:
-            if b is not t and isinstance(b, torch.Tensor) and self.crosses(b):
+            if b is not t and isinstance(b, torch.Tensor) and b.layout == torch.strided and not b.is_nested \
+                    and self.crosses(b):  # the call's other dense tensors (sparse and nested ones are never read)
                 kb = _key(b)
                 if kb in keys or kb in current:
                     continue
