@@ -271,7 +271,7 @@ class Engine:
         read it before) takes the device's values again, as a write shadow saw."""
         self.report.out_of_scope()
         m = self.mirror
-        if self.copies.held:  # device values read over before this write are out of date
+        if self.copies:  # device values read over before this write are out of date
             self.copies.drop(plan.tensors(args, kwargs, plan.writes))
         for _, t in plan.tensors(args, kwargs, plan.writes):
             if t.layout == torch.strided and not t.is_nested and t.device.type != "meta" \
@@ -306,7 +306,7 @@ class Engine:
         e = m.entry(t)
         if m.unobserved_write(t, e):
             m.resync(t)
-            if self.copies.held:
+            if self.copies:
                 self.copies.drop([(None, t)])
             e = m.entry(t)
             self.report.unobserved_write(Event(
@@ -358,7 +358,7 @@ class Engine:
             p.local = Args(*plan.map_tensors(args, kwargs, up))
             if plan.remap_args:
                 _remap_args(plan, place, p.local)
-        if plan.writes and self.copies.held:  # the op writes these: copies read over before it are out of date
+        if plan.writes and self.copies:  # the op writes these: copies read over before it are out of date
             self.copies.drop(plan.tensors(args, kwargs, plan.writes))
         dtype = p.inputs[0].dtype if p.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
@@ -836,7 +836,7 @@ class Engine:
     def adopt(self, tensors: list[torch.Tensor]) -> None:
         """Make the device's values the shadow of ``tensors`` (results computed where shadow could not see)."""
         with _no_dispatch():
-            if self.copies.held:  # their values read over before are out of date
+            if self.copies:  # their values read over before are out of date
                 self.copies.drop((None, t) for t in tensors if isinstance(t, torch.Tensor))
             self._adopt(tensors)
 

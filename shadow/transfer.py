@@ -78,6 +78,10 @@ class HostCopies:
         self.transfers = 0
         self.batches = 0
 
+    def __bool__(self) -> bool:
+        """Whether any copy may be handed out (the last batch's too, which ``held`` does not count)."""
+        return bool(self._copies) or bool(self._last)
+
     def crosses(self, t: torch.Tensor) -> bool:
         """Whether t's shadow lives on another device than t."""
         d = t.device

@@ -138,9 +138,10 @@ def test_a_write_no_version_shows_is_read_again():
         for _ in range(3):
             bn(x * 1.5)
 
-    near, far = _both(step)
-    calls = [r for r in far.report.records if "batch_norm" in r.op]
-    assert len(calls) == 3 and all(r.budget.used <= 1 for r in calls)
+    for limit in (None, 0.0):  # copies kept, and only the last batch's (counted in no bytes kept)
+        near, far = _both(step, limit)
+        calls = [r for r in far.report.records if "batch_norm" in r.op]
+        assert len(calls) == 3 and all(r.budget.used <= 1 for r in calls)
 
 
 def test_a_write_shadow_did_not_see_is_read_again():
