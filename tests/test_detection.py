@@ -38,13 +38,20 @@ def test_no_false_alarms_on_training_steps(name, dtype):
     model = build(name, dtype=dtype)
     opt = make_optimizer("sgd", model.parameters(), "foreach")
     batches = to_dtype(make_batches(name, 2), dtype)
+    torch.manual_seed(0)  # the dropout masks, whatever the tests before drew
     with ShadowMode(spot_checks="off") as sm:
         train_steps(model, opt, batches, loss_fn(name))
     excused = dict(REDUCED_PRECISION_ACCUMULATION) if dtype != torch.float32 else {}
-    if dtype != torch.float32 and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
+    before_2_5 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
+    if dtype != torch.float32 and before_2_5:
         excused["aten._softmax_backward_data.default"] = "torch < 2.5: CPU bf16/fp16 softmax backward sums rows " \
                                                         "in the device dtype"
-    over = [(r.op, r.phase, round(r.budget.used, 2)) for r in sm.report.records_over_budget() if r.op not in excused]
+    # the batch-norm forward's save_invstd rounded three times where the budget allows one rounding (docs/budgets.md,
+    # kernel findings; test_moduledb's test_batch_norm_invstd_finding): up to 2 u, so up to twice its budget. Whether a
+    # call shows it depends on the data (the CNN's dropout masks, seeded here: other masks took it to 1.14 in 3 runs of 60)
+    invstd_limit = 2.0 if dtype == torch.bfloat16 or (dtype == torch.float16 and before_2_5) else 1.0
+    over = [(r.op, r.phase, round(r.budget.used, 2)) for r in sm.report.records_over_budget() if r.op not in excused
+            and not (r.op == "aten.native_batch_norm.default" and r.budget.used <= invstd_limit)]
     assert over == []
     budgeted = [r for r in sm.report.records if r.budget is not None]
     assert len(budgeted) > 20  # the budgets did run on this model's ops
