@@ -632,10 +632,10 @@ class Engine:
             if local is drift:  # one output's stats serving both figures (merged): only the local error gets bits
                 drift = dataclasses.replace(drift)
             if local.norm > 0:
-                sq = local.norm ** 2
+                whole = _whole(compared)
                 # a fixed budget's scale is its outputs' (shadow's own code, no rule's: nothing to guard)
-                local.effective_bits = budget.bits(sq, _reference_sq(compared)) if p.fixed is not None else \
-                    self._guarded(p, None, lambda: budget.bits(sq, _reference_sq(compared)))
+                local.effective_bits = budget.bits(local, whole) if p.fixed is not None else \
+                    self._guarded(p, None, lambda: budget.bits(local, whole))
             info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
         return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 
@@ -1023,16 +1023,14 @@ def _first_tensor(plan: OpPlan, args, kwargs, out) -> torch.Tensor | None:
     return next((t for _, t in plan.tensors(args, kwargs, plan.writes)), None)
 
 
-def _reference_sq(compared: list[Compared]) -> tuple[int, float] | None:
-    """(elements, sum r**2) of the local reference of a call's one output, from its figures (||r|| = norm /
-    rel_norm), where they cover every element and all are finite; else None."""
+def _whole(compared: list[Compared]) -> bool:
+    """Whether a call's local figures are its one output's, over every element, all finite (``Budget.bits``)."""
     if len(compared) != 1:
-        return None
+        return False
     c = compared[0]
     st = c.local
-    if st is None or c.skipped or st.nonfinite or st.nonfinite_agreed or not 0.0 < st.rel_norm < _INF:
-        return None
-    return st.n, (st.norm / st.rel_norm) ** 2
+    return st is not None and not c.skipped and not st.nonfinite and not st.nonfinite_agreed and \
+        0.0 < st.rel_norm < _INF
 
 
 class _Condition:

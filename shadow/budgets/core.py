@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..metrics import _fused, precision_bits, spacing
+from ..metrics import ErrorStats, _fused, precision_bits, spacing
 from ..plan import OpPlan, plan_of
 from ..replay.table import pooled_call
 from ..rules import RuleTable
@@ -115,7 +115,7 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0
     if err_sq_sum <= 0.0:
         return math.inf
     excess = err_sq_sum / KAPPA
-    p_max = math.inf if dtype is None else float(precision_bits(dtype.to_real() if dtype.is_complex else dtype))
+    p_max = math.inf if dtype is None else _stored_bits(dtype)
     if acc_sq_sum > 0.0 and dtype is not None:
         excess -= unit_roundoff(accumulation_dtype(dtype)) ** 2 * acc_sq_sum * (1 + 3 * math.sqrt(2 / max(n_out, 1)))
         if excess <= 0.0:
@@ -123,6 +123,26 @@ def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0
     if scale_sq_sum <= 0.0 or math.isinf(err_sq_sum):
         return -math.inf
     return min(-0.5 * math.log2(excess / scale_sq_sum) - 1.0, p_max)
+
+
+_HALF_LOG2_KAPPA = 0.5 * math.log2(KAPPA)
+
+
+def effective_bits_rel(rel: float, dtype: torch.dtype) -> float:
+    """:func:`effective_bits` where the scale is the result itself and nothing accumulates, from the error's
+    ``rel`` = sqrt(err_sq_sum / scale_sq_sum) (finite and > 0, as ``ErrorStats.rel_norm``): the same model,
+    -0.5 log2(rel**2 / KAPPA) - 1, without forming the sums (most calls, once each).
+
+    >>> effective_bits_rel(2.0**-11 * math.sqrt(KAPPA), torch.float32) == 10.0
+    True
+    """
+    return min(-math.log2(rel) + _HALF_LOG2_KAPPA - 1.0, _stored_bits(dtype))
+
+
+@functools.cache
+def _stored_bits(dtype: torch.dtype) -> float:
+    """The stored mantissa bits of ``dtype``'s real part: the most bits an error can read."""
+    return float(precision_bits(dtype.to_real() if dtype.is_complex else dtype))
 
 
 # --- the record a rule returns ---
@@ -273,19 +293,15 @@ class Budget:
         self._scale_sq = s
         return s
 
-    def bits(self, err_sq_sum: float, reference_sq: tuple[int, float] | None = None) -> float:
-        """:func:`effective_bits` of an observed sum of squared errors under this op's scales.
-        ``reference_sq``: (elements, sum r**2) of the one output, all finite, when the comparison summed them
-        already: the default scale is then not read again (a pass over the output)."""
+    def bits(self, stats: ErrorStats, whole: bool = False) -> float:
+        """:func:`effective_bits` of a call's local error ``stats`` (its ``norm`` > 0) under this op's scales.
+        ``whole``: ``stats`` are the one output's, over every element, all finite: where the scale is that
+        output's own (the default), it is ||r|| = norm / rel_norm, not read again (a pass over the output)."""
         outs = self._outputs
-        if len(outs) == 1 and is_float(outs[0]):  # most calls: n is the reference's
-            n = outs[0].numel()
-            if self._scale_sq is None and reference_sq is not None and n == reference_sq[0]:
-                self._scale_sq = (reference_sq[1], 0.0)
-        else:
-            n = sum(r.numel() for r in outs if is_float(r))
+        if whole and self._scale_sq is None and len(outs) == 1:  # the one output is the one compared
+            return effective_bits_rel(stats.rel_norm, self._dtype)
         s, acc = self.scales()
-        return effective_bits(err_sq_sum, s, acc, self._dtype, n)
+        return effective_bits(stats.norm ** 2, s, acc, self._dtype, sum(r.numel() for r in outs if is_float(r)))
 
     def __repr__(self) -> str:
         extra = f", ulps={self.ulps}" if self.ulps is not None else ""
