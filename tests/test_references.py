@@ -421,6 +421,25 @@ def test_log1p_tiny_matches_the_series_digits():
     assert abs((e.value - x) / (-(x**2) / 2) - 1) < 1e-18  # the x^3/3 term is 6.7e-21 of x^2/2
 
 
+def test_a_rule_reads_a_tensor_argument_at_the_broadcast_element():
+    """``Call.scalar`` reads a small tensor argument whole once (its values by name, row-major) and a large one
+    element by element: the same numbers as indexing it, broadcast, transposed or 0-d alike."""
+    from shadow.references._table import READ_WHOLE, Call, bcast
+
+    torch.manual_seed(0)
+    small = torch.randn(4, 3, dtype=torch.float64).t()  # (3, 4), not contiguous
+    column = torch.randn(3, 1, dtype=torch.float64)  # broadcast along the last dim
+    large = torch.randn(READ_WHOLE + 1, dtype=torch.float64)
+    call = Call(torch.ops.aten.add.Tensor, (small, column), {})
+    for index in [(i, j) for i in range(3) for j in range(4)]:
+        assert call.scalar("self", index) == small[index].item()
+        assert call.scalar("other", index) == column[bcast(column, index)].item()
+    assert set(call._values) == {"self", "other"}  # each read once, whole
+    scalar = Call(torch.ops.aten.mul.Tensor, (large, torch.tensor(2.5, dtype=torch.float64)), {})
+    assert [scalar.scalar("self", (i,)) for i in (0, READ_WHOLE)] == [large[0].item(), large[READ_WHOLE].item()]
+    assert scalar.scalar("other", (7,)) == 2.5 and set(scalar._values) == {"other"}  # the large one read by element
+
+
 def test_multi_output_rules():
     x = T(1.0, 2.0, 3.0, 4.0).view(1, 4)
     # layer norm: mean 2.5 and rstd 1/sqrt(1.25 + 0) at index (0, 0) of the (1, 1) outputs

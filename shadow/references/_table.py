@@ -27,6 +27,9 @@ NAN = mpmath.mpf("nan")
 INF = mpmath.mpf("inf")
 
 
+READ_WHOLE = 64  # a tensor of at most this many elements is read whole: one tolist costs less than two items
+
+
 # --- the rule input ---
 @dataclasses.dataclass(slots=True)
 class Call:
@@ -37,6 +40,8 @@ class Call:
     kwargs: Mapping[str, Any]
     output: int = 0
     plan: OpPlan = dataclasses.field(init=False, repr=False)  # the op's, looked up once: rules read many arguments
+    # small tensor arguments' values by name, read whole at their first element asked: a check reads several
+    _values: dict[str, list] = dataclasses.field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.plan = plan_of(self.func)
@@ -63,7 +68,7 @@ class Call:
         if isinstance(v, torch.Tensor):
             if v.is_complex():
                 raise self.fail(f"argument {name!r} is {v.dtype}: complex ops have no reference")
-            v = v[bcast(v, index)].item()
+            v = self._element(name, v, bcast(v, index))
         if isinstance(v, bool):
             return int(v)
         if not isinstance(v, (int, float)):
@@ -72,6 +77,18 @@ class Call:
 
     def fail(self, reason: str) -> NoReference:
         return NoReference(str(self.func), reason)
+
+    def _element(self, name: str, t: torch.Tensor, at: tuple[int, ...]) -> float | int | bool:
+        """Tensor argument ``name`` (``t``) at ``at``, as a Python number."""
+        if t.numel() > READ_WHOLE:
+            return t[at].item()
+        values = self._values.get(name)
+        if values is None:
+            values = self._values[name] = t.reshape(-1).tolist()
+        flat = 0
+        for size, i in zip(t.shape, at):  # row-major, as reshape(-1) reads it
+            flat = flat * size + i
+        return values[flat]
 
 
 def finite(x: float) -> float | int:

@@ -17,13 +17,13 @@ from mpmath.libmp import finf, fnan, fninf, from_float, mpf_abs, mpf_sub, round_
 from ..errors import NoReference
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Exact, reference_for, to_float64, working_precision
+from ..references._table import READ_WHOLE
 
 aten = torch.ops.aten
 
 RISK_FACTOR = 2.0**10  # roundings of float64 error (2**-53 * magnitude) that must fit in the trust tolerance
 TRUST_RATIO = 0.01  # the reference may err by at most 1% of the device's error
 _NONFINITE = (finf, fninf, fnan)  # mpf tuples
-_READ_WHOLE = 64  # a CPU tensor of at most this many elements is read whole: one tolist costs less than two items
 _mpmath_lock = threading.Lock()  # mpmath's precision is process-wide; backward may run on other threads
 
 
@@ -161,7 +161,7 @@ def _gather(t: torch.Tensor, flats: Sequence[int], coords: Sequence[tuple[int, .
     if t.dim() == 0:
         return [float(t.item())] * len(coords)
     if t.device.type == "cpu":
-        if t.numel() <= _READ_WHOLE:
+        if t.numel() <= READ_WHOLE:
             values = t.reshape(-1).tolist()
             return [float(values[f]) for f in flats]
         return [float(t[c].item()) for c in coords]
