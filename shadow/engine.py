@@ -501,7 +501,7 @@ class Engine:
         dtype = devs[0].dtype
         budget = spot = None
         if p.budget:
-            budget = self._budget_of(p, [s if lo is None else lo for s, lo in zip(shs, los)], dtype)
+            budget = self._budget_of(p, los if p.local is not None else shs, dtype)  # the local replay's, if it ran
         if p.spot:
             budget, spot = self._spot_check(p, out, louts if p.local is not None else souts, dtype, budget)
         budget = self._bounds(p, budget)

@@ -256,8 +256,12 @@ class Budget:
     @classmethod
     def in_ulps(cls, family: str, ulps: float, outputs: Sequence[Any], dtype: torch.dtype, *,
                 is_default: bool = False) -> Budget:
-        """A bound of ``ulps`` units in the last place of ``dtype`` at each reference value."""
-        return cls(family, None, outputs=outputs, dtype=dtype, is_default=is_default, ulps=ulps)
+        """A bound of ``ulps`` units in the last place of ``dtype`` at each reference value. Built without
+        ``__init__``'s keywords: most calls' budget (``InUlps``), once each."""
+        b = cls.__new__(cls)
+        b.family, b.ulps, b.is_default, b._outputs, b._dtype = family, ulps, is_default, outputs, dtype
+        b._make = b._bound = b._scale_sq = b._formulas = b._built = None
+        return b
 
     @property
     def bound(self) -> tuple[torch.Tensor | None, ...]:
@@ -510,13 +514,13 @@ class InUlps:
         """The budget of a call with these float64 reference outputs in the device ``dtype``: ``budget_for``'s."""
         if _nothing_to_bound(outputs):
             return Budget.in_ulps("empty", 0.0, outputs, dtype)
-        return Budget(self.family, None, outputs=outputs, dtype=dtype, is_default=self.is_default, ulps=self.ulps)
+        return Budget.in_ulps(self.family, self.ulps, outputs, dtype, is_default=self.is_default)
 
 
 def _nothing_to_bound(outputs: Sequence[Any]) -> bool:
     """No output is a floating tensor with elements."""
-    for r in outputs:
-        if is_float(r) and r.numel():
+    for r in outputs:  # is_float inlined: most calls ask, once each
+        if isinstance(r, torch.Tensor) and r.numel() and (r.is_floating_point() or r.is_complex()):
             return False
     return True
 
