@@ -99,7 +99,6 @@ class ErrorStats:
 
 
 @functools.cache  # finfo and log2 cost more than the figures a tiny comparison computes from it
-@functools.cache  # finfo costs more than the callers' arithmetic (spot checks ask per element)
 def precision_bits(dtype: torch.dtype) -> int:
     """Stored mantissa bits p of a floating dtype (23 for float32): spacing at 1.0 is 2**-p."""
     return -round(math.log2(torch.finfo(dtype).eps))

@@ -256,12 +256,8 @@ class Budget:
     @classmethod
     def in_ulps(cls, family: str, ulps: float, outputs: Sequence[Any], dtype: torch.dtype, *,
                 is_default: bool = False) -> Budget:
-        """A bound of ``ulps`` units in the last place of ``dtype`` at each reference value. Built without
-        ``__init__``'s keywords: most calls' budget (``InUlps``), once each."""
-        b = cls.__new__(cls)
-        b.family, b.ulps, b.is_default, b._outputs, b._dtype = family, ulps, is_default, outputs, dtype
-        b._make = b._bound = b._scale_sq = b._formulas = b._built = None
-        return b
+        """A bound of ``ulps`` units in the last place of ``dtype`` at each reference value."""
+        return cls(family, None, outputs=outputs, dtype=dtype, is_default=is_default, ulps=ulps)
 
     @property
     def bound(self) -> tuple[torch.Tensor | None, ...]:
