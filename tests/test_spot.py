@@ -248,6 +248,33 @@ def test_ulps_below_the_smallest_normal_use_the_subnormal_spacing():
     assert s.device_err_ulp == 1.0 and s.device_err_abs == 2.0**-6
 
 
+def test_an_exact_value_that_is_a_float64_number_is_judged_as_mpmath_judges_it():
+    """Where the exact value is itself a normal float64 number (products and sums of narrow values, data
+    movement), the judge takes its differences in float64 arithmetic: the same numbers as mpmath's exact
+    difference rounded once to nearest, exponent gaps and ties to even included."""
+    from shadow.references import Exact
+    from shadow.spot.verdict import _abs_diff, _judge
+
+    gen = torch.Generator().manual_seed(0)
+    mant = torch.randint(1, 2**53, (3000,), generator=gen, dtype=torch.int64).tolist()
+    exps = torch.randint(-1100, 880, (3000,), generator=gen).tolist()
+    gaps = torch.randint(-80, 80, (3000,), generator=gen).tolist()
+    pairs = [(math.ldexp(m, e), math.ldexp(m2, e + g)) for m, m2, e, g in zip(mant, mant[1:] + mant[:1], exps, gaps)]
+    pairs += [(2.0**54, 1.0), (2.0**54 + 4, 1.0), (2.0**54, 3.0), (1.0, 2.0**-53), (1.5, 2.0**-1022), (2.0**-1022, 2.0**-1021)]
+    judged = 0
+    for x, a in pairs:
+        if abs(x) < 2.0**-1022:
+            continue
+        for r, y in ((a, x), (x, a), (-a, x)):
+            s = _judge(Exact.plain(mpmath.mpf(x)), r, y, f32, 0, (0,))
+            assert s.exact == x
+            assert s.ref_err_ulp * 2.0 ** (math.frexp(x)[1] - 53) == _abs_diff(r, mpmath.mpf(x)), (x, r)
+            if math.isfinite(y):
+                assert s.device_err_abs == _abs_diff(y, mpmath.mpf(x)), (x, y)
+            judged += 1
+    assert judged > 8000
+
+
 def test_non_finite_values():
     a, b = torch.tensor([0.0, 1.0], dtype=f64), torch.tensor([0.0, 3.0], dtype=f64)
     ref = a / b  # [nan, 1/3]

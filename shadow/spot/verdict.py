@@ -100,12 +100,6 @@ def _emin(dtype: torch.dtype) -> int:
     return math.frexp(torch.finfo(dtype).tiny)[1] - 1  # smallest normal = 2**emin
 
 
-def _floor_log2(x: mpmath.mpf) -> int | None:
-    """floor(log2 |x|) of a finite mpf (None for 0): mpf stores man * 2**exp with man of bc bits."""
-    _, man, exp, bc = x._mpf_
-    return exp + bc - 1 if man else None
-
-
 def _spacing(e2: int | None, dtype: torch.dtype) -> float:
     """spacing_d at |x| = 2**(max(floor(log2|x|), emin) - p), as ``shadow.metrics.spacing``."""
     emin = _emin(dtype)
@@ -130,19 +124,24 @@ def _same_special(a: float, x: float) -> bool:
 def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index: tuple[int, ...]) -> Sample:
     """One element's errors and verdict (the rule of the module docstring)."""
     x = e.value
-    xf = to_float64(x)  # beyond float64's range the exact value rounds to an infinity: so must the reference
+    _, man, exp, bc = x._mpf_
+    e2 = exp + bc - 1 if man else None  # floor(log2 |x|) of a finite x (mpf: man * 2**exp, man of bc bits)
+    # a normal float64 itself (products and sums of narrow values, data movement): float64 subtraction rounds
+    # its differences once, to the nearest, as _abs_diff does
+    held = man and bc <= 53 and -1022 <= e2 <= 1023
+    # beyond float64's range the exact value rounds to an infinity: so must the reference
+    xf = to_float(x._mpf_) if held else to_float64(x)
     c = e.cancellation
     c = 0.0 if math.isnan(c) else c
     if not math.isfinite(xf) or not math.isfinite(r):  # IEEE specials: equal or wrong, nothing between
         ok = _same_special(r, xf)
         return Sample(output, index, xf, r, y, 0.0 if ok else math.inf, math.nan, math.nan, c, ok, not ok)
-    e2 = _floor_log2(x)
-    ref_abs = _abs_diff(r, x)
+    ref_abs = abs(r - xf) if held else _abs_diff(r, x)
     ref_ulp = _in_ulps(ref_abs, _spacing(e2, torch.float64))
     if not math.isfinite(y):  # the device's error is infinite: any finite reference is within 1% of it
         return Sample(output, index, xf, r, y, ref_ulp, math.nan, math.nan, c, True, False)
     sd = _spacing(e2, dtype)
-    dev_abs = _abs_diff(y, x)
+    dev_abs = abs(y - xf) if held else _abs_diff(y, x)
     tol = TRUST_RATIO * max(dev_abs, sd / 2)
     trusted = ref_abs <= tol
     # float64's typical error here is 2**-53 * magnitude; escalate while RISK_FACTOR of them would not fit
