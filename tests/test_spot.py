@@ -22,7 +22,7 @@ from shadow import ShadowMode
 from shadow.options import ShadowOptionError
 from shadow.references import estimate_cost_us
 from shadow.spot import (DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, EVERY_CALL_FIRST, THEN_ONE_IN, SpotConfig,
-                         SpotPolicy, SpotStats, drawn, sample_indices)
+                         SpotPolicy, SpotStats, drawn, next_drawn, sample_indices)
 
 aten = torch.ops.aten
 f32, f64 = torch.float32, torch.float64
@@ -381,6 +381,10 @@ def test_the_sample_stream_is_splitmix64_so_positions_are_the_same_everywhere():
     stream = _Stream("0:aten.mm.default")
     want = [stream.below(16) == 0 for _ in range(400)]
     assert [drawn(0, "aten.mm.default", n, 16) for n in range(1, 401)] == want and 10 <= sum(want) <= 40
+    # the policy asks for the next call drawn once per call drawn
+    last = max(n for n in range(1, 401) if want[n - 1])
+    assert [next_drawn(0, "aten.mm.default", n, 16) for n in range(last)] == \
+        [next(m for m in range(n + 1, last + 1) if want[m - 1]) for n in range(last)]
 
 
 def test_highest_priority_elements_are_checked_first():
@@ -445,6 +449,13 @@ def test_escalation_is_bounded_by_its_budget():
     pol = SpotPolicy(SpotConfig(escalation_budget_us=10 * cost, escalation_refill_us=0.0))
     counts = [check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples for _ in range(3)]
     assert counts == [DEFAULT_SAMPLES + 10, DEFAULT_SAMPLES, DEFAULT_SAMPLES]
+    # refilled by one element per op call seen, any op's: the calls between two risky ones pay for their extras
+    pol = SpotPolicy(SpotConfig(escalation_budget_us=10 * cost, escalation_refill_us=cost))
+    counts = [check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples for _ in range(2)]
+    for _ in range(3):
+        check(aten.exp.default, (_data(8, 3),), policy=pol)
+    counts.append(check(aten.sum.dim_IntList, cancelling, policy=pol)[0].samples)
+    assert counts == [DEFAULT_SAMPLES + 10, DEFAULT_SAMPLES + 1, DEFAULT_SAMPLES + 4]
 
 
 def _spot_checked_calls(option, calls=400):

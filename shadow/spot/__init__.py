@@ -29,8 +29,9 @@ cases, float64 devices, escalation and the cost caps: ``docs/spot-checks.md``.
 
 from .policy import (ALL_MAX_ELEMENTS, DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, EVERY_CALL_FIRST,
                      THEN_ONE_IN, SpotConfig, SpotPolicy)
-from .sampling import drawn, sample_indices
+from .sampling import drawn, next_drawn, sample_indices
 from .verdict import Sample, SpotStats, spot_check
 
 __all__ = ["ALL_MAX_ELEMENTS", "DEFAULT_SAMPLES", "ESCALATE_CALLS", "ESCALATED_SAMPLES", "EVERY_CALL_FIRST", "Sample",
-           "SpotConfig", "SpotPolicy", "SpotStats", "THEN_ONE_IN", "drawn", "sample_indices", "spot_check"]
+           "SpotConfig", "SpotPolicy", "SpotStats", "THEN_ONE_IN", "drawn", "next_drawn", "sample_indices",
+           "spot_check"]

@@ -15,7 +15,7 @@ import torch
 from ..errors import ShadowOptionError
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Reference, estimate_cost_us, reference_for
-from .sampling import Ranked, drawn, sample_indices
+from .sampling import Ranked, next_drawn, sample_indices
 from .verdict import Sample, SpotStats, spot_check, summarize
 
 DEFAULT_SAMPLES = 2  # elements per output per op call by default: one by priority (when given), one at random
@@ -79,10 +79,12 @@ def _count_value(where: str, v: Any) -> int | str:
 
 
 class _OpState:
-    __slots__ = ("calls", "escalate_left", "planned", "sampled")
+    __slots__ = ("calls", "escalate_left", "next", "planned")
 
     def __init__(self, sampled: bool) -> None:
-        self.sampled = sampled  # the op has a reference rule and a count above 0: its calls may get samples
+        # the next call number that gets samples unescalated; 0 (never) unless the op has a reference rule and a
+        # count above 0. Known ahead: wants() compares, and draws once per call drawn, not once per call
+        self.next = 1 if sampled else 0
         self.calls = 0  # wants() calls: the call number that seeds the samples
         self.planned: int | None = None  # the call number wants() said yes to, until check() uses it
         self.escalate_left = 0  # next calls that get escalated samples
@@ -182,6 +184,7 @@ class SpotPolicy:
         self.config = config
         self._ops: dict[str, _OpState] = {}
         self._budget = config.escalation_budget_us
+        self._seen = 0  # the op calls seen when the escalation budget was last refilled
 
     @classmethod
     def from_option(cls, value: Any) -> SpotPolicy:
@@ -206,19 +209,37 @@ class SpotPolicy:
         """Whether this call of ``op_name`` gets samples (then snapshot the inputs an in-place op
         overwrites, and call ``check``). Deterministic: the op's call count decides, never a clock.
         Ops without a reference rule are never wanted (``check`` still explains them)."""
-        config = self.config
-        if config.mode == "off":  # no call is ever checked: nothing to count
-            return False
-        budget = self._budget + config.escalation_refill_us  # asked once per call: comparisons, not min()
-        self._budget = budget if budget < config.escalation_budget_us else config.escalation_budget_us
-        st = self._state(op_name)
-        st.calls += 1
-        if not st.sampled or (config.mode == "default" and st.calls > EVERY_CALL_FIRST and not st.escalate_left
-                              and not drawn(config.seed, op_name, st.calls, THEN_ONE_IN)):
+        st = self._ops.get(op_name)
+        if st is None:
+            if self.config.mode == "off":  # no call is ever checked: nothing to count
+                return False
+            st = self._state(op_name)
+        st.calls = n = st.calls + 1
+        if n == st.next:
+            st.next = self._after(op_name, n)
+        elif not st.escalate_left:
             st.planned = None
             return False
-        st.planned = st.calls
+        st.planned = n
         return True
+
+    def _after(self, op_name: str, n: int) -> int:
+        """The call of a sampled op after call ``n`` that gets samples unescalated: every call, except under
+        ``spot_checks="default"`` past its first ``EVERY_CALL_FIRST``, the next one drawn."""
+        config = self.config
+        if config.mode != "default" or n < EVERY_CALL_FIRST:
+            return n + 1
+        return next_drawn(config.seed, op_name, n, THEN_ONE_IN)
+
+    def _escalation_budget(self) -> float:
+        """The escalation budget: ``escalation_refill_us`` earned per op call seen since it was last read (the
+        ops' call counts: nothing is paid per call), at most ``escalation_budget_us`` banked."""
+        config = self.config
+        seen = sum(st.calls for st in self._ops.values())
+        self._budget = min(config.escalation_budget_us,
+                           self._budget + config.escalation_refill_us * (seen - self._seen))
+        self._seen = seen
+        return self._budget
 
     # --- the check ---
     def check(
@@ -285,7 +306,7 @@ class SpotPolicy:
             escalated = precision_bits(dtype) < 52
         if escalated:  # more elements of this call, paid from the escalation budget
             want = max(ESCALATED_SAMPLES, 8 * n) - per_out
-            afford = int(min(self._budget, ESCALATED_CALL_CAP_US) // (cost * len(outs)))
+            afford = int(min(self._escalation_budget(), ESCALATED_CALL_CAP_US) // (cost * len(outs)))
             extra_n = max(0, min(want, afford))
             if extra_n:
                 extra = []

@@ -81,11 +81,28 @@ def _op_key(seed: int, op_name: str) -> int:
     return _key(f"{seed}:{op_name}")
 
 
+def _drawn(key: int, call: int, one_in: int) -> bool:
+    return _mix((key + call * _GAMMA) & _MASK) % one_in == 0
+
+
 def drawn(seed: int, op_name: str, call: int, one_in: int) -> bool:
     """Whether call ``call`` of ``op_name`` is one of the calls drawn with probability ``1 / one_in``
     (SplitMix64's ``call``-th draw from the op's seeded state): the same answer for the same arguments,
     across processes."""
-    return _mix((_op_key(seed, op_name) + call * _GAMMA) & _MASK) % one_in == 0
+    return _drawn(_op_key(seed, op_name), call, one_in)
+
+
+def next_drawn(seed: int, op_name: str, after: int, one_in: int) -> int:
+    """The first call after ``after`` that ``drawn`` draws.
+
+    >>> n = next_drawn(0, "aten.mm.default", 16, 16)
+    >>> drawn(0, "aten.mm.default", n, 16), [m for m in range(17, n) if drawn(0, "aten.mm.default", m, 16)]
+    (True, [])
+    """
+    key, n = _op_key(seed, op_name), after + 1
+    while not _drawn(key, n, one_in):
+        n += 1
+    return n
 
 
 def sample_indices(
