@@ -124,13 +124,14 @@ def _same_special(a: float, x: float) -> bool:
 def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index: tuple[int, ...]) -> Sample:
     """One element's errors and verdict (the rule of the module docstring)."""
     x = e.value
-    _, man, exp, bc = x._mpf_
+    xraw = x._mpf_
+    _, man, exp, bc = xraw
     e2 = exp + bc - 1 if man else None  # floor(log2 |x|) of a finite x (mpf: man * 2**exp, man of bc bits)
     # a normal float64 itself (products and sums of narrow values, data movement): float64 subtraction rounds
     # its differences once, to the nearest, as _abs_diff does
-    held = man and bc <= 53 and -1022 <= e2 <= 1023
+    held = e2 is not None and bc <= 53 and -1022 <= e2 <= 1023
     # beyond float64's range the exact value rounds to an infinity: so must the reference
-    xf = to_float(x._mpf_) if held else to_float64(x)
+    xf = to_float(xraw) if held else to_float64(x)
     c = e.cancellation
     c = 0.0 if math.isnan(c) else c
     if not math.isfinite(xf) or not math.isfinite(r):  # IEEE specials: equal or wrong, nothing between
