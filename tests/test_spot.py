@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shadow import ShadowMode
 from shadow.options import ShadowOptionError
-from shadow.references import estimate_cost_us
+from shadow.references import estimate_cost_us, reference_for
 from shadow.spot import (DEFAULT_SAMPLES, ESCALATE_CALLS, ESCALATED_SAMPLES, EVERY_CALL_FIRST, THEN_ONE_IN, SpotConfig,
                          SpotPolicy, SpotStats, drawn, next_drawn, sample_indices)
 
@@ -482,6 +482,48 @@ def test_default_checks_an_ops_first_calls_then_one_in_sixteen_the_same_in_every
     # a count asks for every call
     assert _spot_checked_calls(DEFAULT_SAMPLES) == list(range(1, 401))
     assert _spot_checked_calls({"aten.exp": 1}) == list(range(1, 401))
+
+
+def test_default_stops_after_the_first_calls_of_an_op_that_rounds_once():
+    # neg and mul round once in float64 (neg not at all): their first calls are checked, later ones are not drawn
+    x = torch.linspace(-1, 1, 8)
+    with ShadowMode() as mode:
+        for _ in range(200):
+            x = torch.exp(x).neg() * 1.0001
+    for op, later in (("aten.exp.default", True), ("aten.neg.default", False), ("aten.mul.Tensor", False)):
+        checked = [n for n, r in enumerate((r for r in mode.report.records if r.op == op), 1) if r.spot is not None]
+        assert checked[:EVERY_CALL_FIRST] == list(range(1, EVERY_CALL_FIRST + 1)), op
+        assert checked[EVERY_CALL_FIRST:] == ([n for n in range(EVERY_CALL_FIRST + 1, 201)
+                                               if drawn(0, op, n, THEN_ONE_IN)] if later else []), op
+        assert mode.report.by_op[op].spot_checked == len(checked)
+
+
+def _wide(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """n values of ``dtype`` over its whole range, subnormals and zeros of both signs included."""
+    g = torch.Generator().manual_seed(seed)
+    info = torch.finfo(dtype)
+    exps = torch.randint(int(math.log2(info.smallest_normal)) - 10, int(math.log2(info.max)), (n,), generator=g)
+    x = (torch.rand(n, generator=g, dtype=f64) + 1) * torch.pow(2.0, exps.to(f64))
+    x = torch.where(torch.rand(n, generator=g) < 0.5, -x, x).to(dtype)
+    x[:4] = torch.tensor([0.0, -0.0, 1.0, 0.5])
+    return x
+
+
+@pytest.mark.parametrize("dtype", [f32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op, operand", [(aten.mul.Tensor, "tensor"), (aten.mul.Tensor, "scalar"),
+                                         (aten.neg.default, None), (aten.abs.default, None), (aten.relu.default, None),
+                                         (aten.sqrt.default, None), (aten.reciprocal.default, None)], ids=str)
+def test_an_op_that_rounds_once_has_a_trusted_reference_everywhere(op, operand, dtype):
+    # the claim behind Reference.rounds_once (docs/spot-checks.md): float64 rounds each element once from the
+    # inputs, so its error is at most 2**-53 of the value, 2**-21 of the trust tolerance on a device of <= 24 bits.
+    # Checked on every element over the device dtype's whole range (mul also by a float64 Python scalar)
+    assert reference_for(op).rounds_once and not reference_for(aten.exp.default).rounds_once
+    x = _wide(4096, dtype, 1)
+    args = {"tensor": (x, _wide(4096, dtype, 2)), "scalar": (x, 1.0001), None: (x,)}[operand]
+    if op is aten.sqrt.default:
+        args = (x.abs(),)
+    s, samples = check(op, args, policy=SpotPolicy.from_option("all"), dtype=dtype)
+    assert s.samples == 4096 and s.trusted and not any(smp.risky for smp in samples), s
 
 
 def test_a_risky_call_escalates_the_next_calls_whether_drawn_or_not():

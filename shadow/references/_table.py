@@ -152,6 +152,7 @@ class _Entry:
     fn: Rule  # named fn: shadow.rules.rule_name reads it to name the entry in duplicate errors
     outputs: int
     cost: Cost
+    rounds_once: bool
 
 
 def _returns_tensors(func: OpOverload) -> bool:
@@ -175,6 +176,9 @@ class Reference:
     rule: Rule
     outputs: int  # how many of the op's outputs the rule can compute (0..outputs-1)
     cost: Cost
+    # every overload's float64 kernel rounds each element once from its inputs (IEEE 754: *, /, sqrt) or not at
+    # all (neg, abs): its reference is the exact value correctly rounded to float64 (docs/spot-checks.md)
+    rounds_once: bool = False
 
     def __call__(
         self,
@@ -210,9 +214,11 @@ def register_reference(
     outputs: int = 1,
     terms: Terms = ratio_terms,
     per_term: str | Callable[[Call], str] = "exact",
+    rounds_once: bool = False,
 ) -> Callable[[Rule], Rule]:
     """Register a rule for exact overloads (``aten.mm.default``) or whole families (``aten.exp``), with
-    the cost of one element (``Cost(terms, per_term)``).
+    the cost of one element (``Cost(terms, per_term)``). ``rounds_once``: every overload covered rounds each
+    element of its float64 result once from its inputs, whatever their values (``Reference.rounds_once``).
 
     A family covers every overload of the packet that returns tensors and has no exact rule; rules
     read arguments by schema name, so one rule serves ``exp.default``, ``exp.out`` alike. Registering
@@ -221,7 +227,7 @@ def register_reference(
     cost = Cost(terms, per_term)
 
     def deco(rule: Rule) -> Rule:
-        REFERENCES.register(*ops)(_Entry(rule, outputs, cost))
+        REFERENCES.register(*ops)(_Entry(rule, outputs, cost, rounds_once))
         return rule
 
     return deco
@@ -239,7 +245,7 @@ def reference_for(func: Any) -> Reference | None:
         return None
     made = _MADE.get(func)
     if made is None or made[0] is not entry:  # first asked, or registered anew (RuleTable.scoped in tests)
-        made = _MADE[func] = (entry, Reference(func, entry.fn, entry.outputs, entry.cost))
+        made = _MADE[func] = (entry, Reference(func, entry.fn, entry.outputs, entry.cost, entry.rounds_once))
     return made[1]
 
 

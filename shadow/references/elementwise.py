@@ -68,8 +68,10 @@ _UNARY: dict[tuple[torch._ops.OpOverloadPacket, ...], Callable[[mpmath.mpf, floa
     (aten.erf, aten.erf_): lambda x, xf: mpmath.erf(x),
     (aten.silu, aten.silu_): lambda x, xf: x * _sigmoid(x),
 }
+# float64 computes these exactly (abs, neg, relu) or with one IEEE 754 rounding (sqrt, 1 / x) per element
+_ROUND_ONCE = {aten.abs, aten.neg, aten.relu, aten.sqrt, aten.reciprocal}
 for _ops, _fn in _UNARY.items():
-    register_reference(*_ops)(functools.partial(_unary, _fn))
+    register_reference(*_ops, rounds_once=_ops[0] in _ROUND_ONCE)(functools.partial(_unary, _fn))
 
 
 @register_reference(aten.gelu, aten.gelu_)
@@ -118,7 +120,7 @@ register_reference(aten.sub, aten.sub_)(functools.partial(_add_rule, -1, False))
 register_reference(aten.rsub)(functools.partial(_add_rule, -1, True))
 
 
-@register_reference(aten.mul, aten.mul_)
+@register_reference(aten.mul, aten.mul_, rounds_once=True)
 def mul_rule(call: Call, index: tuple[int, ...]) -> Exact:
     return Exact.plain(mpf(call.scalar("self", index)) * mpf(call.scalar("other", index)))
 

@@ -22,7 +22,8 @@ value), float64 reference ``r`` and device result ``y`` (dtype ``d``)::
 for every sampled element: the reference's own error is at most 1% of the device's, and an exactly rounded
 device is measured against half an ulp of its dtype instead. Sampling (``SpotPolicy``): a few elements
 per call, deterministic (seeded by the op, its call number and the output), the most ill-conditioned
-first; by default on each op's first calls, then on one call in ``THEN_ONE_IN`` drawn the same way;
+first; by default on each op's first calls, then on one call in ``THEN_ONE_IN`` drawn the same way (not for
+ops whose float64 kernel rounds once: ``Reference.rounds_once``);
 escalated where float64's headroom is at risk; cost bounded by estimates, not clocks. Non-finite
 cases, float64 devices, escalation and the cost caps: ``docs/spot-checks.md``.
 """

@@ -79,12 +79,15 @@ def _count_value(where: str, v: Any) -> int | str:
 
 
 class _OpState:
-    __slots__ = ("calls", "escalate_left", "next", "planned")
+    __slots__ = ("calls", "escalate_left", "later", "next", "planned")
 
-    def __init__(self, sampled: bool) -> None:
+    def __init__(self, sampled: bool, later: bool) -> None:
         # the next call number that gets samples unescalated; 0 (never) unless the op has a reference rule and a
         # count above 0. Known ahead: wants() compares, and draws once per call drawn, not once per call
         self.next = 1 if sampled else 0
+        # spot_checks="default" draws calls past the first EVERY_CALL_FIRST: not for an op whose float64 kernel
+        # rounds once (Reference.rounds_once), whose reference those calls cannot find untrusted
+        self.later = later
         self.calls = 0  # wants() calls: the call number that seeds the samples
         self.planned: int | None = None  # the call number wants() said yes to, until check() uses it
         self.escalate_left = 0  # next calls that get escalated samples
@@ -170,7 +173,8 @@ class SpotPolicy:
 
     Which calls: every call of an op, except under ``spot_checks="default"``, which samples each op's first
     ``EVERY_CALL_FIRST`` calls, then one later call in ``THEN_ONE_IN`` (drawn from the seed, the op's name
-    and the call number, so the same calls in every run) and every escalated call. The report counts the
+    and the call number, so the same calls in every run; none for an op whose float64 kernel rounds once,
+    ``Reference.rounds_once``) and every escalated call. The report counts the
     calls checked (``shadow.report.Aggregate.spot_checked``).
 
     Escalation: an element is *risky* when it is untrusted, or when float64's typical error on it
@@ -201,8 +205,9 @@ class SpotPolicy:
         st = self._ops.get(op_name)
         if st is None:  # the op's first call: whether it may be sampled, asked once
             op = _resolve(op_name)
-            st = self._ops[op_name] = _OpState(self.config.count_for(op_name) != 0 and isinstance(
-                op, torch._ops.OpOverload) and reference_for(op) is not None)
+            ref = reference_for(op) if isinstance(op, torch._ops.OpOverload) else None
+            st = self._ops[op_name] = _OpState(self.config.count_for(op_name) != 0 and ref is not None,
+                                               ref is not None and not ref.rounds_once)
         return st
 
     def wants(self, op_name: str) -> bool:
@@ -216,20 +221,21 @@ class SpotPolicy:
             st = self._state(op_name)
         st.calls = n = st.calls + 1
         if n == st.next:
-            st.next = self._after(op_name, n)
+            st.next = self._after(st, op_name, n)
         elif not st.escalate_left:
             st.planned = None
             return False
         st.planned = n
         return True
 
-    def _after(self, op_name: str, n: int) -> int:
+    def _after(self, st: _OpState, op_name: str, n: int) -> int:
         """The call of a sampled op after call ``n`` that gets samples unescalated: every call, except under
-        ``spot_checks="default"`` past its first ``EVERY_CALL_FIRST``, the next one drawn."""
+        ``spot_checks="default"`` past its first ``EVERY_CALL_FIRST``, the next one drawn (none, 0, for an op
+        whose float64 kernel rounds once)."""
         config = self.config
         if config.mode != "default" or n < EVERY_CALL_FIRST:
             return n + 1
-        return next_drawn(config.seed, op_name, n, THEN_ONE_IN)
+        return next_drawn(config.seed, op_name, n, THEN_ONE_IN) if st.later else 0
 
     def _escalation_budget(self) -> float:
         """The escalation budget: ``escalation_refill_us`` earned per op call seen since it was last read (the
