@@ -20,6 +20,7 @@ figures come back; a device result beside a CPU reference is copied to the CPU f
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -495,6 +496,7 @@ _READ = {torch.float32: (np.empty(0, np.float32), None), torch.float64: (np.empt
          torch.float16: (np.empty(0, np.uint16), _decode_table(torch.float16))}
 
 
+@functools.cache
 def _exponent_field(tiny: float) -> int:
     """The float64 exponent field of ``tiny`` (a dtype's smallest normal, a power of two): below it compare's
     spacing unit is the subnormal spacing, ``tiny`` itself (``_inverse_unit``)."""
@@ -502,8 +504,11 @@ def _exponent_field(tiny: float) -> int:
 
 
 def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t itself where it is a contiguous CPU tensor of ``dtype``; else a copy that is."""
-    if t.device.type != "cpu" or t.dtype != dtype:
+    """t itself where it is a contiguous CPU tensor of ``dtype``; else a copy that is. (``is_cpu``: ``device``
+    builds a torch.device, four times the cost, and this is asked twice per comparison.)"""
+    if t.is_cpu and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
+        return t
+    if not t.is_cpu or t.dtype != dtype:
         t = t.detach().to(device="cpu", dtype=dtype)
     if t.is_neg():
         t = t.resolve_neg()
@@ -511,24 +516,26 @@ def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: float, scale: float = 0.0,
-            alpha: float = 1.0, op: str = "", other: torch.Tensor | None = None) -> np.ndarray:
+            alpha: float = 1.0, op: str = "", other: torch.Tensor | None = None) -> list[float]:
     """The FIGURES of device result ``y`` against reference ``r`` (same shape, real), in units whose spacing
     floor is ``tiny`` (the dtype's smallest normal); ``bound`` broadcastable to r, or None. With a ``scale``,
     ``bound`` is an operand term t (and ``other`` a second operand o, both broadcastable to r) and the bound
     is max(2**floor(log2|r|), tiny) * scale + alpha * the term ``op`` forms (``TERMS``), formed where r is
-    read (``_bound_at``)."""
+    read (``_bound_at``). Python floats, in the order of FIGURES."""
     read = _READ.get(y.dtype)
     if read is None:  # another floating dtype (float8): read as float64
         y, read = y.to(torch.float64), _READ[torch.float64]
     y = _on_cpu(y, y.dtype)
     r = _on_cpu(r, torch.float64)
-    bound, other = (None if t is None else _whole(t, r) for t in (bound, other))
-    if other is None:
-        other = r if bound is None else bound
-    return _run(0, (y.data_ptr(), read[0], read[1], r.data_ptr(),
-                    r.data_ptr() if bound is None else bound.data_ptr(), r.numel(),
-                    0 if bound is None else bound.numel(), _exponent_field(tiny), float(scale), float(alpha),
-                    TERMS[op], other.data_ptr(), other.numel()), r.numel())
+    n, at = r.numel(), r.data_ptr()
+    if bound is None:
+        bound_at, n_bound, other_at, n_other = at, 0, at, n
+    else:
+        bound = _whole(bound, r)
+        other = bound if other is None else _whole(other, r)
+        bound_at, n_bound, other_at, n_other = bound.data_ptr(), bound.numel(), other.data_ptr(), other.numel()
+    return _run(0, (y.data_ptr(), read[0], read[1], at, bound_at, n, n_bound, _exponent_field(tiny), float(scale),
+                    float(alpha), TERMS[op], other_at, n_other), n).tolist()
 
 
 def _whole(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -308,7 +308,6 @@ def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
         f = _fused.figures(y, r, bound.term, tiny, bound.scale, bound.alpha, bound.op, bound.other)
     else:
         f = _fused.figures(y, r, bound.tensor(r), tiny)
-    f = f.tolist()  # Python floats: read a dozen times below, each a numpy scalar otherwise
     stats = ErrorStats(n=n, budget_used=None if bound is None else 0.0,
                        nonfinite_device=int(f[_fused.DEVICE]), nonfinite_reference=int(f[_fused.REFERENCE]),
                        nonfinite_mismatch=int(f[_fused.MISMATCH]), nonfinite_agreed=int(f[_fused.AGREED]))
