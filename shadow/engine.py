@@ -159,6 +159,7 @@ class Engine:
         self.mirror = Mirror(options.follow == "reference",
                              Placement(options.shadow_device, options.max_shadow_bytes or 0))
         self.spot = SpotPolicy(options.spot_checks)
+        self._spotting = self.spot.config.mode != "off"  # whether any call may be spot-checked
         self.scratch = Scratch()  # reused memory for an op call's large temporaries (shadow.scratch)
         # device values read over to where their shadows live, one crossing per storage version (shadow.transfer),
         # kept within 1/32 of the shadows' bytes (at least 8 MiB)
@@ -233,7 +234,8 @@ class Engine:
             raise
         except Exception as exc:  # never raise into the user's program
             error = exc
-        out = func(*args, **kwargs)  # the op itself: what it raises reaches the user as torch raises it (shadow.cli)
+        out = plan.call(*args, **kwargs)  # the op itself (OpOverload.__call__'s one line): what it raises reaches
+        # the user as torch raises it (shadow.cli)
         with _no_dispatch():
             try:
                 if error is not None:
@@ -362,7 +364,7 @@ class Engine:
             self.copies.drop(plan.tensors(args, kwargs, plan.writes))
         dtype = p.inputs[0].dtype if p.inputs else None
         # float64 devices have no headroom over the float64 reference: nothing to validate
-        p.spot = dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
+        p.spot = self._spotting and dtype is not None and dtype != torch.float64 and self.spot.wants(plan.name)
         p.budget = self.opt.budgets and self.opt.local and dtype is not None
         if p.budget:
             p.fixed = fixed
@@ -504,15 +506,19 @@ class Engine:
             budget = self._budget_of(p, los if p.local is not None else shs, dtype)  # the local replay's, if it ran
         if p.spot:
             budget, spot = self._spot_check(p, out, louts if p.local is not None else souts, dtype, budget)
-        budget = self._bounds(p, budget)
-        ulps = budget.ulps if budget is not None else None
+        ulps = None
+        if budget is not None:
+            budget = self._bounds(p, budget)
+            ulps = budget.ulps if budget is not None else None
+        home = self.mirror.place.cpu_home  # CPU results beside CPU shadows: nothing to read over (_near)
         compared = []
         for i, (d, s, lo) in enumerate(zip(devs, shs, los)):
             bound = None
             if budget is not None and ulps is None:
                 bounds = budget.compared
                 bound = bounds[i] if i < len(bounds) else None
-            compared.append(self._figures(Compared(keep=s), self._near(d, devs), s, lo, d.dtype, bound, ulps))
+            compared.append(self._figures(Compared(keep=s), d if home and d.is_cpu else self._near(d, devs), s, lo,
+                                          d.dtype, bound, ulps))
         verdict = self._verdict(p, compared, budget, spot)
         for d, c in zip(devs, compared):
             self._commit(p, d, bool(plan.writes), c)
