@@ -234,8 +234,7 @@ class Engine:
             raise
         except Exception as exc:  # never raise into the user's program
             error = exc
-        out = plan.call(*args, **kwargs)  # the op itself (OpOverload.__call__'s one line): what it raises reaches
-        # the user as torch raises it (shadow.cli)
+        out = func(*args, **kwargs)  # the op itself: what it raises reaches the user as torch raises it (shadow.cli)
         with _no_dispatch():
             try:
                 if error is not None:
