@@ -213,7 +213,8 @@ BLOCK = 256  # elements whose budget quotients are tested together against the l
 # reassoc: the sums may be split over the vector lanes (in an order fixed by the compiled loop, whatever the
 # thread count); nothing else is reordered, and no product is fused into an add
 @njit(error_model="numpy", fastmath={"reassoc"})
-def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, out):
+def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, out,
+                  extra=None, extra_bits=None, extra_out=None):
     """``_chunk``'s figures of elements [start, stop) where every element is finite, in loops without
     branches that the compiler vectorizes: False, and ``out`` untouched, where one is not (a NaN or an
     infinity on either side, or a square that overflows, makes a sum non-finite), and ``_chunk`` must run.
@@ -227,7 +228,11 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other,
     so far, ``used``: fma(used, bound, -d) > 0 rounds a positive exact used * bound - d, so d / bound < used
     and its rounding is at most used; any other sign, NaN included, divides. A d of 0 never does (its
     quotient is 0 or NaN, which the maximum ignores): exact results would divide every block while used is 0.
-    The largest quotient is the same float, since rounding is monotonic."""
+    The largest quotient is the same float, since rounding is monotonic.
+
+    ``extra`` (None, or a second reference with its bits): its figures without a bound into ``extra_out``, from
+    the same read of y (a result's drift beside its local error, ``_serial_pair``); False where either is not
+    finite. None compiles the loops without it."""
     judged = bound.shape[0] > 0
     tiny = _float(np.int64(emin) << 52)
     y, r, bits = y[start:stop], r[start:stop], bits[start:stop]
@@ -235,10 +240,17 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other,
     sum_d2 = sum_r2 = 0.0
     max_abs = max_ulp = max_ulp_nonzero = zero = 0
     used = 0.0
+    x_d2 = x_r2 = 0.0
+    x_abs = x_ulp = x_ulp_nonzero = x_zero = 0
+    if extra is not None:
+        xs, xbits = extra[start:stop], extra_bits[start:stop]
     if not judged:
         for i in range(n):
             d, sum_d2, sum_r2, max_abs, max_ulp, max_ulp_nonzero, zero = _finite_at(
                 y, table, r, bits, i, emin, sum_d2, sum_r2, max_abs, max_ulp, max_ulp_nonzero, zero)
+            if extra is not None:
+                _, x_d2, x_r2, x_abs, x_ulp, x_ulp_nonzero, x_zero = _finite_at(
+                    y, table, xs, xbits, i, emin, x_d2, x_r2, x_abs, x_ulp, x_ulp_nonzero, x_zero)
     else:
         bound = bound[start:stop] if step else np.full(BLOCK, bound[0])
         other = other[start:stop] if ostep else np.full(BLOCK, other[0])
@@ -253,6 +265,9 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other,
                     yb, table, rb, bb, i, emin, sum_d2, sum_r2, max_abs, max_ulp, max_ulp_nonzero, zero)
                 t = _bound_at(tb[i], ob[i], bb[i], scale, alpha, op, tiny)
                 late += 0 if (d == 0.0) | (_fma(used, t, -d) > 0.0) else 1
+                if extra is not None:
+                    _, x_d2, x_r2, x_abs, x_ulp, x_ulp_nonzero, x_zero = _finite_at(
+                        y, table, xs, xbits, s + i, emin, x_d2, x_r2, x_abs, x_ulp, x_ulp_nonzero, x_zero)
             if late:
                 for i in range(m):
                     a = np.float64(yb[i]) if table is None else table[yb[i]]
@@ -260,11 +275,21 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other,
                     used = q if q > used else used
     if not (sum_d2 < _INF and sum_r2 < _INF):
         return False
+    if extra is not None:
+        if not (x_d2 < _INF and x_r2 < _INF):
+            return False
+        _finite_figures(extra_out, x_abs, x_d2, x_r2, x_ulp, x_ulp_nonzero, 0.0, x_zero)
+    _finite_figures(out, max_abs, sum_d2, sum_r2, max_ulp, max_ulp_nonzero, used, zero)
+    return True
+
+
+@njit(inline="always")
+def _finite_figures(out, max_abs, sum_d2, sum_r2, max_ulp, max_ulp_nonzero, used, zero):
+    """``_finite_chunk``'s figures into ``out`` (the maxima as their bits)."""
     out[MAX_ABS], out[SUM_D2], out[SUM_R2], out[MAX_ULP], out[MAX_ULP_NONZERO], out[BUDGET] = \
         _float(max_abs), sum_d2, sum_r2, _float(max_ulp), _float(max_ulp_nonzero), used
     out[DEVICE] = out[REFERENCE] = out[MISMATCH] = out[AGREED] = 0
     out[ZERO] = zero
-    return True
 
 
 @njit
@@ -274,11 +299,33 @@ def _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound, othe
     operand (then the bound again): an optional array inside a parallel loop was sometimes read as None by
     numba's worker threads (a budget use of 0 where the serial pass found 2**25)."""
     y = numba.carray(_pointer(y_address), n, y_like.dtype)
-    r = numba.carray(_pointer(r_address), n, np.float64)
-    bits = numba.carray(_pointer(r_address), n, np.int64)
+    r, bits = _reference(r_address, n)
     bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
     other = numba.carray(_pointer(other_address), n_other, np.float64)
     return y, r, bits, bound, 0 if n_bound == 1 else 1, other, 0 if n_other == 1 else 1
+
+
+@njit
+def _reference(address, n):
+    """A float64 reference's view of its memory, as values and as their bits."""
+    return numba.carray(_pointer(address), n, np.float64), numba.carray(_pointer(address), n, np.int64)
+
+
+@njit
+def _one_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, out):
+    """The figures of elements [start, stop): the finite loop, else the full one."""
+    if not _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, out):
+        _chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, out)
+
+
+@njit
+def _pair_chunk(y, table, lo, lbits, bound, step, emin, scale, alpha, op, other, ostep, r, rbits, start, stop, parts):
+    """``_one_chunk`` of y against ``lo`` (with the bound) into parts[0] and against ``r`` (without) into parts[1],
+    from one read of y where both are finite."""
+    if not _finite_chunk(y, table, lo, lbits, bound, step, emin, scale, alpha, op, other, ostep, start, stop,
+                         parts[0], r, rbits, parts[1]):
+        _chunk(y, table, lo, lbits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, parts[0])
+        _chunk(y, table, r, rbits, bound[:0], step, emin, 0.0, 1.0, 0, other, ostep, start, stop, parts[1])
 
 
 @njit
@@ -299,10 +346,8 @@ def _serial_pass(y_address, y_like, table, r_address, bound_address, n, n_bound,
                                                     other_address, n_other)
     parts = np.empty(((n + CHUNK - 1) // CHUNK, FIGURES))
     for c in range(parts.shape[0]):
-        start, stop = c * CHUNK, min(n, (c + 1) * CHUNK)
-        if not _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop,
-                             parts[c]):
-            _chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, parts[c])
+        _one_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, c * CHUNK,
+                   min(n, (c + 1) * CHUNK), parts[c])
     return _combine(parts)
 
 
@@ -312,11 +357,34 @@ def _parallel_pass(y_address, y_like, table, r_address, bound_address, n, n_boun
                                                     other_address, n_other)
     parts = np.empty(((n + CHUNK - 1) // CHUNK, FIGURES))
     for c in prange(parts.shape[0]):
-        start, stop = c * CHUNK, min(n, (c + 1) * CHUNK)
-        if not _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop,
-                             parts[c]):
-            _chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, start, stop, parts[c])
+        _one_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other, ostep, c * CHUNK,
+                   min(n, (c + 1) * CHUNK), parts[c])
     return _combine(parts)
+
+
+def _serial_pair(y_address, y_like, table, r_address, lo_address, bound_address, n, n_bound, emin, scale, alpha, op,
+                 other_address, n_other):
+    """``_serial_pass`` against ``lo`` (with the bound) and against ``r`` (without), from one read of y."""
+    y, lo, lbits, bound, step, other, ostep = _arrays(y_address, y_like, table, lo_address, bound_address, n, n_bound,
+                                                      other_address, n_other)
+    r, rbits = _reference(r_address, n)
+    parts = np.empty(((n + CHUNK - 1) // CHUNK, 2, FIGURES))
+    for c in range(parts.shape[0]):
+        _pair_chunk(y, table, lo, lbits, bound, step, emin, scale, alpha, op, other, ostep, r, rbits, c * CHUNK,
+                    min(n, (c + 1) * CHUNK), parts[c])
+    return _combine(parts[:, 0]), _combine(parts[:, 1])
+
+
+def _parallel_pair(y_address, y_like, table, r_address, lo_address, bound_address, n, n_bound, emin, scale, alpha, op,
+                   other_address, n_other):
+    y, lo, lbits, bound, step, other, ostep = _arrays(y_address, y_like, table, lo_address, bound_address, n, n_bound,
+                                                      other_address, n_other)
+    r, rbits = _reference(r_address, n)
+    parts = np.empty(((n + CHUNK - 1) // CHUNK, 2, FIGURES))
+    for c in prange(parts.shape[0]):
+        _pair_chunk(y, table, lo, lbits, bound, step, emin, scale, alpha, op, other, ostep, r, rbits, c * CHUNK,
+                    min(n, (c + 1) * CHUNK), parts[c])
+    return _combine(parts[:, 0]), _combine(parts[:, 1])
 
 
 @njit
@@ -468,14 +536,15 @@ def _parallel_squares(a_address, m, k, rows_address, cols_address):
 
 def _compile(cache: bool) -> tuple:
     """The comparison's serial and parallel passes, then the spacing's, the largest quotient's, the
-    magnitude's and the sums of squares', compiled at their first call for each input type. Two functions
+    magnitude's, the sums of squares' and the paired comparison's, compiled at their first call for each input type. Two functions
     each, not one jitted twice: numba's cache tells entries apart by function, not by the parallel flag."""
     try:
         return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
                 njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing),
                 njit(cache=cache)(_serial_largest), njit(cache=cache, parallel=True)(_parallel_largest),
                 njit(cache=cache)(_serial_magnitude), njit(cache=cache, parallel=True)(_parallel_magnitude),
-                njit(cache=cache)(_serial_squares), njit(cache=cache, parallel=True)(_parallel_squares))
+                njit(cache=cache)(_serial_squares), njit(cache=cache, parallel=True)(_parallel_squares),
+                njit(cache=cache)(_serial_pair), njit(cache=cache, parallel=True)(_parallel_pair))
     except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
         return _compile(False)
 
@@ -527,15 +596,39 @@ def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: 
         y, read = y.to(torch.float64), _READ[torch.float64]
     y = _on_cpu(y, y.dtype)
     r = _on_cpu(r, torch.float64)
-    n, at = r.numel(), r.data_ptr()
+    n = r.numel()
+    bound, n_bound, other, n_other = _operands(r, bound, other)
+    return _run(0, (y.data_ptr(), read[0], read[1], r.data_ptr(), bound.data_ptr(), n, n_bound, _exponent_field(tiny),
+                    float(scale), float(alpha), TERMS[op], other.data_ptr(), n_other), n).tolist()
+
+
+def pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor | None, tiny: float,
+         scale: float = 0.0, alpha: float = 1.0, op: str = "", other: torch.Tensor | None = None
+         ) -> tuple[list[float], list[float]]:
+    """(``figures(y, r, None, tiny)``, ``figures(y, lo, bound, tiny, scale, alpha, op, other)``) from one read of
+    y: a result's drift and its local error (the sums agree with the two passes' to rounding, the rest exactly)."""
+    read = _READ.get(y.dtype)
+    if read is None:
+        y, read = y.to(torch.float64), _READ[torch.float64]
+    y = _on_cpu(y, y.dtype)
+    r, lo = _on_cpu(r, torch.float64), _on_cpu(lo, torch.float64)
+    n = r.numel()
+    bound, n_bound, other, n_other = _operands(lo, bound, other)
+    local, drift = _run(10, (y.data_ptr(), read[0], read[1], r.data_ptr(), lo.data_ptr(), bound.data_ptr(), n,
+                             n_bound, _exponent_field(tiny), float(scale), float(alpha), TERMS[op], other.data_ptr(),
+                             n_other), n)
+    return drift.tolist(), local.tolist()
+
+
+def _operands(r: torch.Tensor, bound: torch.Tensor | None, other: torch.Tensor | None
+              ) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+    """(bound, its size, other operand, its size) as the passes read them (``_whole``; r itself and a size of 0
+    where there is no bound). The caller holds them while the pass reads their memory."""
     if bound is None:
-        bound_at, n_bound, other_at, n_other = at, 0, at, n
-    else:
-        bound = _whole(bound, r)
-        other = bound if other is None else _whole(other, r)
-        bound_at, n_bound, other_at, n_other = bound.data_ptr(), bound.numel(), other.data_ptr(), other.numel()
-    return _run(0, (y.data_ptr(), read[0], read[1], at, bound_at, n, n_bound, _exponent_field(tiny), float(scale),
-                    float(alpha), TERMS[op], other_at, n_other), n).tolist()
+        return r, 0, r, r.numel()
+    bound = _whole(bound, r)
+    other = bound if other is None else _whole(other, r)
+    return bound, bound.numel(), other, other.numel()
 
 
 def _whole(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -605,7 +698,7 @@ def squares(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def _run(which: int, args: tuple, n: int):
     """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient, 6: the magnitude, 8: the
-    sums of squares) on ``args``: the parallel one above PARALLEL elements."""
+    sums of squares, 10: the paired comparison) on ``args``: the parallel one above PARALLEL elements."""
     global _passes
     try:
         return _call(_passes[which], _passes[which + 1], args, n)

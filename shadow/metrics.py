@@ -223,14 +223,22 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: Any = N
 
 def compare_pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, bound: Any = None
                  ) -> tuple[ErrorStats, ErrorStats]:
-    """``(compare(y, r, dtype), compare(y, lo, dtype, bound))``: one result's drift and local figures. Where both
-    take the Python loop (a few elements on the CPU, a bound that is a tensor if any), y's values are read once."""
+    """``(compare(y, r, dtype), compare(y, lo, dtype, bound))``: one result's drift and local figures, y's values
+    read once where both take the Python loop (a few elements on the CPU, a bound that is a tensor if any) or
+    both the fused pass (real results on the CPU above the loop's size, ``shadow._fused.pair``)."""
     n = r.numel()
-    if 0 < n <= _LOOP_FUSED and lo.shape == r.shape and (bound is None or isinstance(bound, torch.Tensor)) \
-            and not _off_cpu(r) and not _off_cpu(lo) and (bound is None or not _off_cpu(bound)):
+    if n == 0 or lo.shape != r.shape or _off_cpu(r) or _off_cpu(lo) or y.is_complex() or r.is_complex() \
+            or lo.is_complex():
+        return compare(y, r, dtype), compare(y, lo, dtype, bound)
+    formula = bound is not None and not isinstance(bound, torch.Tensor)
+    if n <= _LOOP_FUSED and not formula and (bound is None or not _off_cpu(bound)):
         yl = _flat_list(y)
         return _compare_loop(y, yl, r, dtype, n, None), _compare_loop(y, yl, lo, dtype, n, bound)
-    return compare(y, r, dtype), compare(y, lo, dtype, bound)
+    if _fused is None or n <= _LOOP_FUSED and not formula:
+        return compare(y, r, dtype), compare(y, lo, dtype, bound)
+    b, scale, alpha, op, other = _pass_bound(bound, lo, dtype)
+    drift, local = _fused.pair(y, r, lo, b, _consts(dtype)[0], scale, alpha, op, other)
+    return _fused_stats(drift, n, False, dtype), _fused_stats(local, n, bound is not None, dtype)
 
 
 def _compare_loop(y: torch.Tensor, yl: list, r: torch.Tensor, dtype: torch.dtype, n: int,
@@ -300,21 +308,32 @@ def _finish(stats: ErrorStats, m: float, nd: float, nr: float, ulp_unit_max: flo
 def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int, bound: Any) -> ErrorStats:
     """Real results above the tiny size: every figure from one read of y and r (shadow._fused), where the
     paths below read them nine times."""
-    tiny, scale = _consts(dtype)
+    b, scale, alpha, op, other = _pass_bound(bound, r, dtype)
+    return _fused_stats(_fused.figures(y, r, b, _consts(dtype)[0], scale, alpha, op, other), n, bound is not None,
+                        dtype)
+
+
+def _pass_bound(bound: Any, r: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """A bound as the fused pass takes it: (tensor or None, scale, alpha, op, other operand). A formula in the
+    pass's units is formed there from its operand term; any other is made a tensor first."""
     if bound is None or isinstance(bound, torch.Tensor):
-        f = _fused.figures(y, r, bound, tiny)
-    elif bound.dtype == _real_dtype(dtype) and not bound.term.is_complex() and \
-            (bound.other is None or not bound.other.is_complex()):  # a formula in the pass's units: formed there
-        f = _fused.figures(y, r, bound.term, tiny, bound.scale, bound.alpha, bound.op, bound.other)
-    else:
-        f = _fused.figures(y, r, bound.tensor(r), tiny)
-    stats = ErrorStats(n=n, budget_used=None if bound is None else 0.0,
+        return bound, 0.0, 1.0, "", None
+    if bound.dtype == _real_dtype(dtype) and not bound.term.is_complex() and \
+            (bound.other is None or not bound.other.is_complex()):
+        return bound.term, bound.scale, bound.alpha, bound.op, bound.other
+    return bound.tensor(r), 0.0, 1.0, "", None
+
+
+def _fused_stats(f: list[float], n: int, bounded: bool, dtype: torch.dtype) -> ErrorStats:
+    """The ErrorStats of the fused pass's figures ``f`` (``bounded``: with a budget's bound)."""
+    scale = _consts(dtype)[1]
+    stats = ErrorStats(n=n, budget_used=0.0 if bounded else None,
                        nonfinite_device=int(f[_fused.DEVICE]), nonfinite_reference=int(f[_fused.REFERENCE]),
                        nonfinite_mismatch=int(f[_fused.MISMATCH]), nonfinite_agreed=int(f[_fused.AGREED]))
     m = f[_fused.MAX_ABS]
     if m == 0.0:
         return stats
-    if bound is not None:
+    if bounded:
         stats.budget_used = f[_fused.BUDGET]
     _finish(stats, m, math.sqrt(f[_fused.SUM_D2]), math.sqrt(f[_fused.SUM_R2]), f[_fused.MAX_ULP], dtype)
     # zero references reported under the same condition as compare's other paths check for them

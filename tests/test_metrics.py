@@ -322,6 +322,38 @@ def test_compare_pair_gives_the_two_comparisons(dtype, bound_kind):
 
 
 @fused
+@pytest.mark.parametrize("bound_kind", ["none", "tensor", "scalar", "formula"])
+@pytest.mark.parametrize("n", [1000, 2 * 2**15 + 777])  # one chunk on the calling thread; three in parallel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
+def test_the_paired_pass_gives_the_two_passes_figures(dtype, n, bound_kind):
+    """compare_pair above the loop's size reads y once for both references (shadow._fused.pair): the figures of
+    the two passes, maxima and counts to the last bit and sums to rounding, where both references are finite and
+    where either holds NaNs and infinities (the full loop then runs for each), whatever the thread count."""
+    from shadow import _fused
+    from shadow.budgets.core import UlpsPlus
+
+    for sprinkled in (False, True):
+        y, r = _sample(dtype, n, seed=n + sprinkled, sprinkled=sprinkled)
+        lo = (r * (1 + 3 * torch.finfo(dtype).eps)).nan_to_num(0.0) if sprinkled else r * (1 - 2**-30)
+        bound = _bound("tensor" if bound_kind == "formula" else bound_kind, lo, dtype)
+        if bound_kind == "formula":
+            bound = UlpsPlus(2.0, bound, 1.0, dtype)
+        want = compare(y, r, dtype), compare(y, lo, dtype, bound)
+        threads = torch.get_num_threads()
+        try:
+            for t in (1, 2):
+                torch.set_num_threads(t)  # the parallel pass follows torch's thread count
+                got = compare_pair(y, r, lo, dtype, bound)
+                for g, w in zip(got, want):
+                    _assert_same(g, w)
+        finally:
+            torch.set_num_threads(threads)
+        assert got[0].max_abs > 0 and got[1].max_abs > 0 and (got[0].nonfinite > 0) == sprinkled
+        assert (got[1].budget_used is None) == (bound is None) and got[0].budget_used is None
+    assert _fused.pair(y, r, lo, None, torch.finfo(dtype).tiny)[0] == _fused.figures(y, r, None, torch.finfo(dtype).tiny)
+
+
+@fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, f64])
 def test_fused_pass_equals_the_torch_passes_it_replaced(dtype, monkeypatch):
     n = metrics._SMALL + 1000
