@@ -4,12 +4,15 @@ timed test).
     python benchmarks/compare.py            # 4, 1k, 1M, 16M elements; float32 and bfloat16
     python benchmarks/compare.py --sizes 1000000 --repeat 3
 
+    python benchmarks/compare.py --sizes 1000 1048576 --no-first-call   # a quick look
+
 "before" is compare with the fused pass switched off (``metrics._fused = None``, as without numba): the Python
 loop up to 64 elements, numpy up to 16k, then the torch passes. "fused" is compare as shipped. Each figure is
 the best of ``--repeat`` rounds of about 20 ms (the mean of the calls in the round), the four ways of one row
 taking turns round by round. The first call's cost
 (compiling, or loading numba's on-disk cache) is measured apart, in fresh processes with an empty and then a
-filled cache directory.
+filled cache directory. A second table times a result's drift and local figures (the second reference with
+a bound): two compare calls against compare_pair, which reads the result once for both (``shadow._fused.pair``).
 """
 
 from __future__ import annotations
@@ -70,15 +73,18 @@ def _fmt(seconds: float) -> str:
 
 def first_calls() -> list[tuple[str, float, float]]:
     """(case, seconds with an empty cache, seconds with the cache the first process filled)."""
-    code = ("import sys, time, torch; from shadow.metrics import compare; n = int(sys.argv[1]); "
-            "y = torch.randn(n); r = y.double(); t = time.perf_counter(); compare(y, r, torch.float32); "
+    code = ("import sys, time, torch; from shadow.metrics import compare, compare_pair; n = int(sys.argv[1]); "
+            "y = torch.randn(n); r = y.double(); t = time.perf_counter(); "
+            "compare_pair(y, r, r, torch.float32) if sys.argv[2] == 'pair' else compare(y, r, torch.float32); "
             "print(time.perf_counter() - t)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = []
-    for case, n in (("float32, 1k elements (serial pass)", 1000), ("float32, 1M elements (parallel pass)", 1 << 20)):
+    for case, n, how in (("float32, 1k elements (serial pass)", 1000, "one"),
+                         ("float32, 1M elements (parallel pass)", 1 << 20, "one"),
+                         ("float32, 1k elements (paired pass)", 1000, "pair")):
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=root)
-            runs = [float(subprocess.run([sys.executable, "-c", code, str(n)], env=env, check=True,
+            runs = [float(subprocess.run([sys.executable, "-c", code, str(n), how], env=env, check=True,
                                          capture_output=True, text=True).stdout) for _ in range(2)]
         rows.append((case, runs[0], runs[1]))
     return rows
@@ -102,6 +108,14 @@ def main() -> None:
                            for bound in ((), (b,)) for fn in (_before, metrics.compare)], a.repeat)
             print(f"| {name} | {n} | {_fmt(times[0])} | {_fmt(times[1])} | {times[0] / times[1]:.1f}x "
                   f"| {_fmt(times[2])} | {_fmt(times[3])} | {times[2] / times[3]:.1f}x |")
+    print("\n| dtype | elements | two compare calls | compare_pair | speedup |\n|---|---|---|---|---|")
+    for name, dtype in DTYPES.items():
+        for n in a.sizes:
+            y, r, b = _inputs(n, dtype)
+            lo = r * (1 + 2**-40)
+            two, pair = _best([lambda: (metrics.compare(y, r, dtype), metrics.compare(y, lo, dtype, b)),
+                               lambda: metrics.compare_pair(y, r, lo, dtype, b)], a.repeat)
+            print(f"| {name} | {n} | {_fmt(two)} | {_fmt(pair)} | {two / pair:.1f}x |")
     if not a.no_first_call:
         print("\n| first call | empty cache (compiles) | filled cache (loads) |\n|---|---|---|")
         for case, cold, warm in first_calls():

@@ -259,6 +259,8 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other,
             m = rb.shape[0]
             tb = bound[s:s + BLOCK] if step else bound[:m]
             ob = other[s:s + BLOCK] if ostep else other[:m]
+            if extra is not None:
+                xb, xbb = xs[s:s + BLOCK], xbits[s:s + BLOCK]
             late = 0
             for i in range(m):
                 d, sum_d2, sum_r2, max_abs, max_ulp, max_ulp_nonzero, zero = _finite_at(
@@ -267,7 +269,7 @@ def _finite_chunk(y, table, r, bits, bound, step, emin, scale, alpha, op, other,
                 late += 0 if (d == 0.0) | (_fma(used, t, -d) > 0.0) else 1
                 if extra is not None:
                     _, x_d2, x_r2, x_abs, x_ulp, x_ulp_nonzero, x_zero = _finite_at(
-                        y, table, xs, xbits, s + i, emin, x_d2, x_r2, x_abs, x_ulp, x_ulp_nonzero, x_zero)
+                        yb, table, xb, xbb, i, emin, x_d2, x_r2, x_abs, x_ulp, x_ulp_nonzero, x_zero)
             if late:
                 for i in range(m):
                     a = np.float64(yb[i]) if table is None else table[yb[i]]
