@@ -538,8 +538,9 @@ def _parallel_squares(a_address, m, k, rows_address, cols_address):
 
 def _compile(cache: bool) -> tuple:
     """The comparison's serial and parallel passes, then the spacing's, the largest quotient's, the
-    magnitude's, the sums of squares' and the paired comparison's, compiled at their first call for each input type. Two functions
-    each, not one jitted twice: numba's cache tells entries apart by function, not by the parallel flag."""
+    magnitude's, the sums of squares' and the paired comparison's, compiled at their first call for each input
+    type. Two functions each, not one jitted twice: numba's cache tells entries apart by function, not by the
+    parallel flag."""
     try:
         return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
                 njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing),
@@ -593,10 +594,7 @@ def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: 
     ``bound`` is an operand term t (and ``other`` a second operand o, both broadcastable to r) and the bound
     is max(2**floor(log2|r|), tiny) * scale + alpha * the term ``op`` forms (``TERMS``), formed where r is
     read (``_bound_at``). Python floats, in the order of FIGURES."""
-    read = _READ.get(y.dtype)
-    if read is None:  # another floating dtype (float8): read as float64
-        y, read = y.to(torch.float64), _READ[torch.float64]
-    y = _on_cpu(y, y.dtype)
+    y, read = _result(y)
     r = _on_cpu(r, torch.float64)
     n = r.numel()
     bound, n_bound, other, n_other = _operands(r, bound, other)
@@ -609,10 +607,7 @@ def pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor
          ) -> tuple[list[float], list[float]]:
     """(``figures(y, r, None, tiny)``, ``figures(y, lo, bound, tiny, scale, alpha, op, other)``) from one read of
     y: a result's drift and its local error (the sums agree with the two passes' to rounding, the rest exactly)."""
-    read = _READ.get(y.dtype)
-    if read is None:
-        y, read = y.to(torch.float64), _READ[torch.float64]
-    y = _on_cpu(y, y.dtype)
+    y, read = _result(y)
     r, lo = _on_cpu(r, torch.float64), _on_cpu(lo, torch.float64)
     n = r.numel()
     bound, n_bound, other, n_other = _operands(lo, bound, other)
@@ -620,6 +615,14 @@ def pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor
                              n_bound, _exponent_field(tiny), float(scale), float(alpha), TERMS[op], other.data_ptr(),
                              n_other), n)
     return drift.tolist(), local.tolist()
+
+
+def _result(y: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """A device result as the passes read it, and how (``_READ``): another floating dtype (float8) as float64."""
+    read = _READ.get(y.dtype)
+    if read is None:
+        y, read = y.to(torch.float64), _READ[torch.float64]
+    return _on_cpu(y, y.dtype), read
 
 
 def _operands(r: torch.Tensor, bound: torch.Tensor | None, other: torch.Tensor | None

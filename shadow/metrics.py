@@ -234,7 +234,7 @@ def compare_pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, dtype: torc
     if n <= _LOOP_FUSED and not formula and (bound is None or not _off_cpu(bound)):
         yl = _flat_list(y)
         return _compare_loop(y, yl, r, dtype, n, None), _compare_loop(y, yl, lo, dtype, n, bound)
-    if _fused is None or n <= _LOOP_FUSED and not formula:
+    if _fused is None or (n <= _LOOP_FUSED and not formula):  # a bound off the CPU beside a few elements
         return compare(y, r, dtype), compare(y, lo, dtype, bound)
     b, scale, alpha, op, other = _pass_bound(bound, lo, dtype)
     drift, local = _fused.pair(y, r, lo, b, _consts(dtype)[0], scale, alpha, op, other)

@@ -350,7 +350,8 @@ def test_the_paired_pass_gives_the_two_passes_figures(dtype, n, bound_kind):
             torch.set_num_threads(threads)
         assert got[0].max_abs > 0 and got[1].max_abs > 0 and (got[0].nonfinite > 0) == sprinkled
         assert (got[1].budget_used is None) == (bound is None) and got[0].budget_used is None
-    assert _fused.pair(y, r, lo, None, torch.finfo(dtype).tiny)[0] == _fused.figures(y, r, None, torch.finfo(dtype).tiny)
+    tiny = torch.finfo(dtype).tiny
+    assert _fused.pair(y, r, lo, None, tiny)[0] == _fused.figures(y, r, None, tiny)
 
 
 @fused
