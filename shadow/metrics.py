@@ -227,14 +227,13 @@ def compare_pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, dtype: torc
     read once where both take the Python loop (a few elements on the CPU, a bound that is a tensor if any) or
     both the fused pass (real results on the CPU above the loop's size, ``shadow._fused.pair``)."""
     n = r.numel()
-    if n == 0 or lo.shape != r.shape or _off_cpu(r) or _off_cpu(lo) or y.is_complex() or r.is_complex() \
-            or lo.is_complex():
-        return compare(y, r, dtype), compare(y, lo, dtype, bound)
-    formula = bound is not None and not isinstance(bound, torch.Tensor)
-    if n <= _LOOP_FUSED and not formula and (bound is None or not _off_cpu(bound)):
+    if 0 < n <= _LOOP_FUSED and lo.shape == r.shape and (bound is None or isinstance(bound, torch.Tensor)) \
+            and not _off_cpu(r) and not _off_cpu(lo) and (bound is None or not _off_cpu(bound)):
         yl = _flat_list(y)
         return _compare_loop(y, yl, r, dtype, n, None), _compare_loop(y, yl, lo, dtype, n, bound)
-    if _fused is None or (n <= _LOOP_FUSED and not formula):  # a bound off the CPU beside a few elements
+    # the fused pass's condition in compare (real results on the CPU, above the loop's size or with a formula)
+    if _fused is None or n == 0 or lo.shape != r.shape or (n <= _LOOP_FUSED and isinstance(bound, torch.Tensor)) \
+            or _off_cpu(r) or _off_cpu(lo) or y.is_complex() or r.is_complex() or lo.is_complex():
         return compare(y, r, dtype), compare(y, lo, dtype, bound)
     b, scale, alpha, op, other = _pass_bound(bound, lo, dtype)
     drift, local = _fused.pair(y, r, lo, b, _consts(dtype)[0], scale, alpha, op, other)
