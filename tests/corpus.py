@@ -1,7 +1,9 @@
 """A corpus of real models and real training habits, as tiny programs shared by tests and benchmarks.
 
-Hugging Face models (GPT-2, Llama with grouped-query attention, BERT, T5, ViT) from tiny random configs (no
-download), torch.nn recurrent and attention modules, a CNN with BatchNorm, and the habits around them: evaluation
+Hugging Face models (GPT-2 with its default sdpa attention and with eager attention, Llama with grouped-query
+attention, BERT, T5, ViT) from tiny random configs (no download), two causal transformers written by hand the way
+tutorials write them (the mask by ``masked_fill(-inf)``, or added as ``log(tril(ones))``), an LSTM language model,
+torch.nn recurrent and attention modules, a CNN with BatchNorm, and the habits around them: evaluation
 under ``torch.no_grad``, CPU autocast to bfloat16, activation checkpointing, gradient accumulation with clipping
 and an LR scheduler, ``torch.compile``. Plain functions (no pytest), so that ``benchmarks/`` can import them too:
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -115,10 +118,11 @@ def _causal_lm(g: torch.Generator) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
+_GPT2 = dict(vocab_size=_VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
 _HF: dict[str, tuple[str, str, dict, Callable[[torch.Generator], dict]]] = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
-             dict(vocab_size=_VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
-             _causal_lm),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", _GPT2, _causal_lm),  # attention by sdpa, transformers' default
+    # attention written out: the causal and padding masks as finfo(dtype).min added to the scores
+    "gpt2_eager": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, attn_implementation="eager"), _causal_lm),
     # grouped-query attention: 2 key/value heads shared by 4 query heads
     "llama_gqa": ("LlamaConfig", "LlamaForCausalLM",
                   dict(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -149,7 +153,12 @@ def _hf(name: str, g: torch.Generator, n: int) -> tuple[nn.Module, list[tuple], 
     import transformers
 
     config_cls, model_cls, config, make_batch = _HF[name]
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+    config = dict(config)
+    attention = config.pop("attn_implementation", None)
+    config_object = getattr(transformers, config_cls)(**config)
+    if attention is not None:
+        config_object._attn_implementation = attention
+    model = getattr(transformers, model_cls)(config_object)
     return model, [(make_batch(g),) for _ in range(n)], _hf_loss
 
 
@@ -245,6 +254,90 @@ class Block(nn.Module):
         return self.head(x.mean(1))
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention as hand-written GPTs have it (minGPT, nanoGPT without flash): the scores
+    masked either by ``masked_fill(tril == 0, float('-inf'))`` or by adding ``log(tril(ones))`` (0 on and below
+    the diagonal, -inf above), then softmax, dropout and the weighted sum of the values."""
+
+    def __init__(self, width: int, heads: int, mask: str):
+        super().__init__()
+        self.heads, self.mask = heads, mask
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("tril", torch.tril(torch.ones(_SEQ, _SEQ)).view(1, 1, _SEQ, _SEQ))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        if self.mask == "masked_fill":
+            att = att.masked_fill(self.tril[:, :, :t, :t] == 0, float("-inf"))
+        else:
+            att = att + torch.log(torch.tril(torch.ones(t, t, dtype=x.dtype)))
+        y = self.drop(F.softmax(att, dim=-1)) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) with a GELU MLP of 4x width."""
+
+    def __init__(self, width: int, heads: int, mask: str):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, mask)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A hand-written causal language model (token and position embeddings, two ``GPTBlock``s, a final LayerNorm,
+    a head tied to the token embedding, nanoGPT's initialization) whose forward returns the next-token cross
+    entropy, as tutorials' do."""
+
+    def __init__(self, mask: str, width: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(_VOCAB, width), nn.Embedding(_SEQ, width)
+        self.h = nn.ModuleList(GPTBlock(width, heads, mask) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, _VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for m in self.modules():  # nanoGPT's initialization: N(0, 0.02) weights, zero biases
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding -> 2-layer LSTM -> Linear over the vocabulary, the next-token cross entropy at every position."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(_VOCAB, width)
+        self.rnn = nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.head = nn.Linear(width, _VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.emb(idx))
+        logits = self.head(out)
+        return F.cross_entropy(logits.reshape(-1, _VOCAB), targets.reshape(-1))
+
+
+def language_model(module: nn.Module, batch: tuple) -> torch.Tensor:
+    """The loss a language model's forward returns for (tokens, next tokens)."""
+    return module(*batch)
+
+
 def classify(module: nn.Module, batch: tuple) -> torch.Tensor:
     """Cross entropy of ``module(*inputs)`` against the batch's last element, the class targets."""
     *inputs, target = batch
@@ -264,6 +357,17 @@ def _tokens(g: torch.Generator) -> tuple:
     return (_token_ids(g),)
 
 
+def _next_tokens(g: torch.Generator) -> tuple:
+    """(tokens, the tokens shifted by one): a language model's inputs and targets."""
+    ids = torch.randint(0, _VOCAB, (_BATCH, _SEQ + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _lm(make_model: Callable[[], nn.Module], g: torch.Generator, n: int
+        ) -> tuple[nn.Module, list[tuple], Forward]:
+    return make_model(), [_next_tokens(g) for _ in range(n)], language_model
+
+
 def _wide_rows(g: torch.Generator) -> tuple:
     return (torch.randn(32, 256, generator=g),)
 
@@ -281,6 +385,9 @@ _MODELS: dict[str, Callable[[torch.Generator, int], tuple[nn.Module, list[tuple]
     "checkpoint_reentrant": functools.partial(_nn, functools.partial(Checkpointed, True),
                                               functools.partial(_features, 16)),
     "block": functools.partial(_nn, Block, functools.partial(_features, 32)),
+    "gpt_masked_fill": functools.partial(_lm, functools.partial(GPT, "masked_fill")),
+    "gpt_log_tril": functools.partial(_lm, functools.partial(GPT, "log_tril")),
+    "lstm_lm": functools.partial(_lm, LSTMLanguageModel),
     # a 256-wide MLP on (32, 256) rows: the soak's model
     "wide_mlp": functools.partial(_nn, functools.partial(MLP, 256, 256, _CLASSES), _wide_rows),
 }

@@ -42,8 +42,9 @@ UNSUPPORTED = {("encoder", "eval"): ({"aten._nested_tensor_from_mask.default", "
                                       "aten._transformer_encoder_layer_fwd.default"}, "enable_nested_tensor=False")}
 # (model, habit) run in float32 and float64, or float32 only where float64 has nothing to say (autocast leaves
 # float64 alone; compile has its own tests below)
-BOTH = [(m, "train") for m in ("gpt2", "llama_gqa", "bert", "t5", "vit", "lstm", "gru", "mha", "encoder", "resnet",
-                                "checkpoint", "checkpoint_reentrant", "block")] \
+BOTH = [(m, "train") for m in ("gpt2", "gpt2_eager", "llama_gqa", "bert", "t5", "vit", "lstm", "gru", "mha", "encoder",
+                                "resnet", "checkpoint", "checkpoint_reentrant", "block", "gpt_masked_fill",
+                                "gpt_log_tril", "lstm_lm")] \
     + [("encoder", "eval"), ("encoder_dense", "eval"), ("mha", "eval"), ("resnet", "eval"), ("lstm", "eval"),
        ("bert", "accumulate_clip_schedule"), ("resnet", "accumulate_clip_schedule")]
 FLOAT32_ONLY = [("gpt2", "autocast_bf16"), ("resnet", "autocast_bf16"), ("block", "autocast_bf16")]
