@@ -1,6 +1,6 @@
-"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the verdict, the run's meta,
-coverage, where NaN/Inf is born, the calls over budget, the per-op and per-module tables, and the plots
-(``shadow.plots``).
+"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the verdict and the plot that shows
+it (its first screen), the run's meta, coverage, where NaN/Inf is born and where it goes, the calls over budget, the
+per-op and per-module tables, and the other plots (``shadow.plots``).
 
 Everything is inline (styles, a small table-sorting script, plots as base64 PNG) and the page's Content Security
 Policy forbids loading anything else, so it opens offline and can be mailed or attached to a bug report as one
@@ -23,16 +23,15 @@ from typing import Callable, Sequence
 from . import plots
 from .cli import _fail, _unwritable, command
 from .errors import ReportFormatError
-from .records import Record
 from .report import LEGEND, Aggregate, Report, _budget_cell, _floating, _fmt, _short_dtype, _ulp_cell, load_report
-from .verdict import conclude
+from .verdict import Verdict, conclude
 
 MAX_ROWS = 500  # rows of the over-budget table; the rest are counted (a long run can have thousands)
 
 _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
 _STYLE = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; padding: 0 1em; color: #222; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+body { font: 14px/1.45 system-ui, sans-serif; margin: .8em auto; max-width: 1200px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.4em; margin: .3em 0; } h2 { font-size: 1.2em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: .5em 0; font-size: 13px; }
 th, td { padding: .2em .6em; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; position: sticky; top: 0; }
@@ -41,7 +40,9 @@ th[aria-sort=ascending]::after { content: " \\25B4"; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr.over td { background: #fbe9e9; }
 pre { background: #f7f7f7; padding: .6em; overflow-x: auto; }
-pre.verdict { white-space: pre-wrap; border-left: 4px solid #55a868; font-size: 14px; }
+pre.verdict { white-space: pre-wrap; border-left: 4px solid #55a868; font-size: 14px; margin: .3em 0;
+              max-height: 30vh; overflow-y: auto; }
+figure.verdict { margin: .3em 0; } figure.verdict img { max-height: 55vh; max-width: 100%; width: auto; }
 pre.verdict.suspicious { border-left-color: #c44e52; }
 dl.legend { display: grid; grid-template-columns: max-content auto; gap: .1em 1em; font-size: 13px; color: #555; }
 dl.legend dt { font-weight: 600; } dl.legend dd { margin: 0; }
@@ -75,6 +76,8 @@ _CAPTIONS = {
              "rises without one was amplified from earlier error.",
     "budget": "Budget use per op: the worst call's local error over the a-priori bound a correct kernel in its "
               "dtype may reach. Past the 1.0 line (red): less accurate than the dtype allows.",
+    "bits": "The bits each op class's error reads against its budget use: a cluster on one format's line above 1.0 "
+            "is one cause (bfloat16 or TF32 arithmetic); points away from it are the exceptions, named.",
     "modules": "Local error per module and phase (max budget used; - no call held to a rule's budget). A "
                "parameter's optimizer calls count in its module's row.",
     "trajectory": "Drift of the loss and of the parameters after each optimizer step, against float64: growing, "
@@ -105,10 +108,11 @@ def render(report: Report, *, title: str = "shadow report") -> str:
     body = [
         f"<h1>{escape(title)}</h1>",
         f'<pre class="verdict{" suspicious" if verdict.suspicious else ""}">{escape(verdict.text)}</pre>',
+        _figure(report, verdict.plot, "verdict") if plots.has_matplotlib() else "",
         _meta(report),
         "<h2>Coverage</h2>",
         f"<pre>{escape(str(report.coverage))}</pre>",
-        _nonfinite(report.nonfinite_origin()),
+        _nonfinite(verdict),
         _over_budget(report),
         "<h2>Per op</h2>",
         _aggregates(report.by_op, "op"),
@@ -116,7 +120,7 @@ def render(report: Report, *, title: str = "shadow report") -> str:
         _aggregates(report.by_module, "module"),
         _legend(),
         "<h2>Plots</h2>",
-        _plots(report),
+        _plots(report, verdict.plot),
     ]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
             f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
@@ -141,19 +145,41 @@ def _meta(report: Report) -> str:
 
 
 def _key_values(d: dict) -> str:
-    rows = "".join(f"<tr><th>{escape(str(k))}</th><td>{escape(str(v))}</td></tr>" for k, v in d.items())
+    rows = "".join(f"<tr><th>{escape(str(k))}</th><td>{escape(_value(v))}</td></tr>" for k, v in d.items())
     return f"<table>{rows}</table>"
 
 
-def _nonfinite(rec: Record | None) -> str:
-    if rec is None:
-        return ("<h2>Where NaN/Inf is born</h2>\n<p>No kept call produced NaN or Inf from finite inputs.</p>")
-    why = {"math": "a math problem: float64 gives NaN/Inf there too",
-           "precision": "a precision problem: float64 is finite there (overflow or underflow of the device dtype)"}
-    where = f" at {rec.module}" if rec.module else ""
-    at = f", {rec.callsite}" if rec.callsite else ""
-    text = f"#{rec.index} {rec.op}{where} ({rec.phase}{at}): {why[rec.nonfinite_cause]}"
-    return f"<h2>Where NaN/Inf is born</h2>\n<p>{escape(text)}</p>"
+def _value(v: object) -> str:
+    """A meta value in words: a mapping as "key: value, ...", a list as its items (a command line), None "none"."""
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_value(x)}" for k, x in v.items()) or "none"
+    if isinstance(v, (list, tuple)):
+        return " ".join(_value(x) for x in v)
+    return "none" if v is None else str(v)
+
+
+_CAUSES = {"math": "float64 makes it too", "precision": "the device's rounding: float64 is finite there"}
+
+
+def _nonfinite(verdict: Verdict) -> str:
+    """The NaN/Inf finding (the call that made it, and how it got to the loss, the gradients or the parameters),
+    then the births absorbed on the way: information."""
+    head = "<h2>Where NaN/Inf is born</h2>\n"
+    found = verdict.nonfinite
+    parts = []
+    if found is not None:
+        parts.append(f"<p>{escape(found.headline)}</p>" + (f"<p>{escape(found.route)}.</p>" if found.op else ""))
+    if verdict.absorbed:
+        targets = "the loss, the gradients or the parameters" if verdict.trained else "the result"
+        parts.append(f"<p>Made and absorbed before it reached {targets}: not a finding (an attention mask of -inf "
+                     "that softmax absorbs is one).</p>")
+        rows = [[_Cell(a.op), _Cell(", ".join(a.modules)), _Cell(str(a.calls), a.calls), _Cell(_CAUSES[a.cause]),
+                 _Cell(", ".join(a.absorbers) or "no call shadow compared read it")] for a in verdict.absorbed]
+        parts.append(_table(("op", "modules", "calls", "float64", "absorbed by"), rows))
+    if not parts:
+        parts.append("<p>No kept call produced NaN or Inf from finite inputs, and none reached the loss, the "
+                     "gradients or the parameters.</p>")
+    return head + "\n".join(parts)
 
 
 _OVER_COLUMNS = ("#", "op", "module", "phase", "call site", "dtype", "shape", "budget used", "effective bits")
@@ -222,17 +248,19 @@ def _table(headers: Sequence[str], rows: list[list[_Cell]], over: list[bool] | N
 
 
 
-def _plots(report: Report) -> str:
-    try:
-        plots.require_matplotlib()
-    except ImportError as exc:
-        return f'<p class="note">{escape(str(exc))}</p>'
-    figures = []
-    for name, make in plots.FIGURES.items():
-        data = base64.b64encode(plots.png(make(report))).decode("ascii")
-        figures.append(f'<figure id="plot-{name}"><img alt="{escape(name)} plot" src="data:image/png;base64,{data}">'
-                       f"<figcaption>{escape(_CAPTIONS[name])}</figcaption></figure>")
-    return "\n".join(figures)
+def _plots(report: Report, shown: str) -> str:
+    """Every figure but ``shown``, which the verdict's figure on the first screen is."""
+    if not plots.has_matplotlib():
+        return f'<p class="note">{escape(plots.NEED_MATPLOTLIB)}</p>'
+    return "\n".join(_figure(report, name) for name in plots.FIGURES if name != shown) + \
+        f'\n<p class="note">The {escape(shown)} plot is at the top, under the verdict.</p>'
+
+
+def _figure(report: Report, name: str, css: str = "") -> str:
+    data = base64.b64encode(plots.png(plots.FIGURES[name](report))).decode("ascii")
+    css = f' class="{css}"' if css else ""
+    return (f'<figure id="plot-{name}"{css}><img alt="{escape(name)} plot" '
+            f'src="data:image/png;base64,{data}"><figcaption>{escape(_CAPTIONS[name])}</figcaption></figure>')
 
 
 def _sort_key(x: float) -> str:

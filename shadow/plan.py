@@ -182,6 +182,11 @@ class OpPlan:
 
 
 @functools.cache
+def base_name(op_name: str) -> str:
+    """An op's name without its in-place mark, as the op sets of ``shadow.opsets`` hold it: "add_" -> "add"."""
+    return op_name[:-1] if op_name.endswith("_") and not op_name.endswith("__") else op_name
+
+
 def plan_of(func: torch._ops.OpOverload) -> OpPlan:
     """The plan of an op overload (built once)."""
     schema = func._schema
@@ -217,7 +222,7 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
         call=getattr(func, "_op", func),
         name=f"{func.namespace}.{op_name}.{func._overloadname}",
         op_name=op_name,
-        base=op_name[:-1] if op_name.endswith("_") and not op_name.endswith("__") else op_name,
+        base=base_name(op_name),
         positions={a.name: i for i, a in enumerate(schema.arguments)},
         params=tuple(Param(a.name, a.kwarg_only, a.has_default_value(),
                            a.default_value if a.has_default_value() else None) for a in schema.arguments),

@@ -1,4 +1,5 @@
-"""Plots of a report: drift along the op sequence, budget use per op, local error per module and phase.
+"""Plots of a report: drift along the op sequence, budget use per op, the bits each op class reads, local error per
+module and phase, the trajectory.
 
 matplotlib is optional (the ``display`` extra), so it is imported inside the functions that draw; each returns a
 ``matplotlib.figure.Figure`` drawn on the Agg canvas, never through pyplot (no window, no process-wide figure
@@ -6,7 +7,7 @@ list to leak into). A report without records gets a figure that says so instead 
 
 >>> from shadow import plots
 >>> plots.write_pngs(sm.report, "plots")        # doctest: +SKIP
-['plots/drift.png', 'plots/budget.png', 'plots/modules.png']
+['plots/drift.png', 'plots/budget.png', 'plots/bits.png', 'plots/modules.png', 'plots/trajectory.png']
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
-from .records import Phase, Record
+from .nonfinite import flow
+from .records import Phase, Record, op_class
 from .report import Aggregate, Report, _fmt
+from .verdict import FORMATS, STORED_BITS, arithmetic, op_classes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -66,6 +69,10 @@ def drift_figure(report: Report, *, metric: str = "rel_norm") -> Figure:
     else:
         ax.text(0.5, 0.5, "no drift: every compared result equals its shadow", transform=ax.transAxes,
                 ha="center", va="center")
+    born = flow(report)
+    if born.origin is not None:  # NaN/Inf that reaches the loss, a gradient or a parameter: where it is born
+        ax.axvline(born.origin.index, color=_OVER, ls="--", lw=1.2,
+                   label=f"NaN/Inf born ({op_class(born.origin.op)})", gid="nonfinite:born")
     ax.set_xlim(records[0].index - 0.5, records[-1].index + 0.5)
     ax.set_xlabel("op call (record index)")
     ax.set_ylabel("drift, " + ("rel_norm ||y - shadow|| / ||shadow||" if metric == "rel_norm" else "max ulp"))
@@ -112,6 +119,57 @@ def budget_figure(report: Report, *, top: int = 30) -> Figure:
     ax.set_xlabel("max budget used (local error / a-priori bound; ! some call over budget)")
     more = f"; {len(rows) - len(shown)} ops using less not shown" if len(rows) > len(shown) else ""
     ax.set_title(f"budget use per op{more}")
+    return fig
+
+
+def bits_figure(report: Report) -> Figure:
+    """The bits each op class's error reads (``OpClass.effective_bits``, x) against its budget use (y, log), one
+    point per op class held to a rule's budget whose results round: red over budget, blue within. Vertical lines
+    mark the formats an error may read like (bfloat16 7 bits, float16 and TF32 10, the dtype's own), the
+    horizontal one the budget (1.0). A cluster on one format line above 1.0 is one cause, as the verdict says
+    ("bfloat16-like arithmetic throughout"); points away from it are its exceptions, and are named.
+
+    >>> bits_figure(rep).axes[0].collections     # doctest: +SKIP
+    """
+    classes = [c for c in op_classes(report) if c.effective_bits is not None and math.isfinite(c.effective_bits)]
+    fig = _new_figure(9, 4)
+    ax = fig.add_subplot()
+    if not report.by_op:
+        return _say(fig, ax, "no records: nothing ran under ShadowMode")
+    if not classes:
+        return _say(fig, ax, "no op class held to a rule's budget rounds: nothing to place (budgets off, or every "
+                             "result exact)")
+    cause = arithmetic(classes)
+    used = [min(max(c.budget_used, 1e-3), 1e8) for c in classes]  # 0 and inf at the axis' ends
+    over = [c.over_calls > 0 for c in classes]
+    for flag, color, label in ((True, _OVER, "op class over budget"), (False, _WITHIN, "op class within budget")):
+        points = [(c.effective_bits, u) for c, u, o in zip(classes, used, over) if o == flag]
+        if points:
+            ax.scatter([b for b, _ in points], [u for _, u in points], s=22, color=color, alpha=0.8, label=label,
+                       gid=f"bits:{'over' if flag else 'within'}")
+    stored = {d.replace("torch.", ""): STORED_BITS[d] for c in classes for d in c.dtypes if d in STORED_BITS}
+    # the formats an error may read like, and the dtypes' own bits
+    lines = {**{"float16 / TF32" if name == "float16" else name: bits for name, bits in FORMATS}, **stored}
+    for name, bits in lines.items():
+        ax.axvline(bits, color="#8c8c8c", ls=":", lw=1)
+        ax.text(bits, 1.0, f" {name}", transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
+                fontsize=7, color="#555555")
+    ax.axhline(1.0, color=_OVER, ls="--", lw=1, label="budget (1.0)")
+    # the exceptions to the one cause (every class over budget where there is none), and its classes unless they
+    # are most of them
+    named = [c for c in classes if c.over_calls and (cause is None or not cause.throughout or c not in cause.classes)]
+    for c in named[:8]:
+        ax.annotate(c.op.removeprefix("aten."), (c.effective_bits, min(max(c.budget_used, 1e-3), 1e8)),
+                    xytext=(4, 3), textcoords="offset points", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlim(0, max(*lines.values(), *(c.effective_bits for c in classes)) + 2)
+    ax.set_xlabel("effective bits: the mantissa bits the op class's worst error reads")
+    ax.set_ylabel("max budget used")
+    title = "bits each op class reads"
+    if cause is not None:
+        title += f": {cause.like} arithmetic in {len(cause.classes)} of {len(classes)} op classes"
+    ax.set_title(title)
+    fig.legend(loc="outside lower center", fontsize=8, ncols=3)  # below the axes: points can be anywhere
     return fig
 
 
@@ -193,7 +251,7 @@ def trajectory_figure(report: Report) -> Figure:
     return fig
 
 
-FIGURES: dict[str, Callable[[Report], Figure]] = {"drift": drift_figure, "budget": budget_figure,
+FIGURES: dict[str, Callable[[Report], Figure]] = {"drift": drift_figure, "budget": budget_figure, "bits": bits_figure,
                                                    "modules": module_heatmap,
                                                    "trajectory": trajectory_figure}  # name -> figure, as written
 
@@ -210,7 +268,7 @@ def write_pngs(report: Report, directory: str | os.PathLike, *, dpi: int = 100) 
     the paths written.
 
     >>> write_pngs(rep, "plots")                 # doctest: +SKIP
-    ['plots/drift.png', 'plots/budget.png', 'plots/modules.png', 'plots/trajectory.png']
+    ['plots/drift.png', 'plots/budget.png', 'plots/bits.png', 'plots/modules.png', 'plots/trajectory.png']
     """
     os.makedirs(directory, exist_ok=True)
     paths = []
@@ -220,6 +278,15 @@ def write_pngs(report: Report, directory: str | os.PathLike, *, dpi: int = 100) 
             f.write(png(make(report), dpi=dpi))
         paths.append(path)
     return paths
+
+
+def has_matplotlib() -> bool:
+    """matplotlib can be imported (the figures can be drawn)."""
+    try:
+        require_matplotlib()
+    except ImportError:
+        return False
+    return True
 
 
 def require_matplotlib() -> None:

@@ -16,6 +16,11 @@ from .metrics import ErrorStats
 from .spot import SpotStats
 
 
+def op_class(op: str) -> str:
+    """The op without its overload: "aten.add.Tensor" -> "aten.add" (a class groups every overload)."""
+    return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+
+
 class _Value(str, enum.Enum):
     """A str Enum that prints and formats as its value ("forward"), as saved reports and tables show it."""
 
@@ -135,15 +140,18 @@ class Record:
 
     @property
     def nonfinite_cause(self) -> str | None:
-        """Why this call's device result holds NaN or Inf: "propagated" (an input held one), "math" (the float64
-        replay on the same inputs is non-finite too: log of a negative number, 0/0), "precision" (the float64
-        replay is finite there: an overflow or underflow of the device dtype); None when it holds none."""
+        """Why this call's device result holds NaN or Inf: "propagated" (an input held one), "math" (float64 is
+        non-finite there too, on the same inputs and in the float64 program: log of a negative number, 0/0),
+        "precision" (float64 is finite where the device is not: an overflow of the device dtype here, or, where
+        the replay on the device's inputs agrees and the shadow does not, one upstream that made those inputs,
+        such as Adam's eps rounded to 0); None when it holds none."""
         stats = self.local if self.local is not None else self.drift
         if stats is None or not stats.device_nonfinite:
             return None
         if self.inputs_nonfinite:
             return "propagated"
-        return "precision" if stats.nonfinite_device else "math"
+        shadow_finite = self.drift is not None and self.drift.nonfinite_device
+        return "precision" if stats.nonfinite_device or shadow_finite else "math"
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -27,6 +27,12 @@ _CONSTANTS = frozenset({"ones_like", "zeros_like", "full_like", "empty_like", "o
                         "fill_", "scalar_tensor", "lift_fresh", "lift_fresh_copy"})
 
 
+def loss_candidate(op: str, phase: Phase, numel: int, floating: bool) -> bool:
+    """A result that can be a step's loss: one floating element computed in the forward or outside any module,
+    not a constant (backward's seed is ones_like of the loss). A step's loss is the last one before its backward."""
+    return phase in (Phase.FORWARD, Phase.OTHER) and numel == 1 and floating and op.split(".")[1] not in _CONSTANTS
+
+
 @dataclasses.dataclass(slots=True)
 class StepDrift:
     """One optimizer step of a run."""
@@ -54,8 +60,8 @@ class Trajectory:
         if rec.phase is Phase.BACKWARD:
             if self._loss is None and self._last is not None:
                 self._loss = self._last
-        elif rec.phase is not Phase.OPTIMIZER and isinstance(result, torch.Tensor) and result.numel() == 1 \
-                and result.is_floating_point() and rec.op.split(".")[1] not in _CONSTANTS:
+        elif isinstance(result, torch.Tensor) and loss_candidate(rec.op, rec.phase, result.numel(),
+                                                                 result.is_floating_point()):
             self._last = weakref.ref(result)
 
     def stepped(self, opt: torch.optim.Optimizer) -> None:

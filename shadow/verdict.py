@@ -1,15 +1,20 @@
-"""What a report concludes, in lines a user can act on: the op classes whose own error is over budget (and what
-arithmetic their error reads like), where NaN/Inf is born and whether float64 agrees, float64 references that
-mpmath found wrong, what shadow could not check; or the all-clear.
+"""What a report concludes, in lines a user can act on, at the level of the cause: NaN/Inf that reaches the loss, a
+gradient or a parameter (the op that made it, and how it got there), the arithmetic the op classes over budget read
+like (one line when most read the same format, then the exceptions), float64 references that mpmath found wrong,
+what shadow could not check; or the all-clear. NaN/Inf that float64 makes too and that reaches none of those (an
+attention mask of -inf that softmax absorbs) is information, not a finding (docs/reports.md: The verdict).
 
-A pure function of a Report (``conclude``); ``Report.summary``, ``shadow show`` and the pytest plugin render it.
+A pure function of a Report (``conclude``); ``Report.summary``, ``shadow show``, ``shadow run``, the HTML page and
+the pytest plugin render it.
 
 >>> v = conclude(sm.report)                                   # doctest: +SKIP
 >>> print(v.text)                                             # doctest: +SKIP
-verdict: 1 op class over budget (its own error beyond what a correct float32 kernel makes):
-  aten.mm 2.8e+03x budget in 3 of 3 calls (reads ~10 bits: TF32-like; worst: Net.fc2, backward, call #40)
->>> v.suspicious, [c.op for c in v.over_budget]               # doctest: +SKIP
-(True, ['aten.mm'])
+verdict: bfloat16-like arithmetic throughout: 23 op classes read ~7 bits, 1.5e+03x to 3.7e+05x their float32 budgets (worst: aten.add at GPT, forward, call #3)
+exceptions: 1 op class over budget reads otherwise:
+  aten._foreach_add_ 1.4e+04x budget in 2 of 4 calls (reads ~18 bits; worst: GPT, optimizer, call #488)
+info: NaN/Inf made in aten.masked_fill at GPT.h.0.attn, GPT.h.1.attn (4 calls; float64 makes it too), absorbed by aten._softmax: it reaches no loss, gradient or parameter, so it is not a finding
+>>> v.suspicious, v.arithmetic.like, v.nonfinite               # doctest: +SKIP
+(True, 'bfloat16-like', None)
 """
 
 from __future__ import annotations
@@ -17,22 +22,21 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .records import Record
+from .nonfinite import Absorbed, Flow, Reach, flow
+from .records import Record, op_class
 from .report import Aggregate, Report
 
 # mantissa bits each dtype stores (what `effective_bits` reads in), and the narrower arithmetics an error may read
 # like: the same 10 bits are TF32 in a matmul or convolution and float16 elsewhere
 STORED_BITS = {"torch.float64": 52, "torch.float32": 23, "torch.float16": 10, "torch.bfloat16": 7}
+FORMATS = (("bfloat16", 7), ("float16", 10))  # (name, mantissa bits) of the narrower arithmetics an error may read
 _MATMUL_LIKE = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear",
                           "aten.mv", "aten.addmv", "aten.dot", "aten.vdot", "aten.convolution", "aten._convolution",
                           "aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution_backward",
                           "aten.mkldnn_convolution", "aten._scaled_mm"})
-_SHOWN = 3  # unsupported ops and untrusted op classes named in a line; the rest counted
-
-
-def op_class(op: str) -> str:
-    """The op without its overload: "aten.add.Tensor" -> "aten.add" (a class groups every overload)."""
-    return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+ONE_CAUSE = 3  # op classes over budget reading one format: said in one line from this many on
+THROUGHOUT = 2 / 3  # ... "throughout" when they are this share of the op classes whose results round
+_SHOWN = 3  # unsupported ops, untrusted op classes, modules, absorbers named in a line; the rest counted
 
 
 def times(x: float) -> str:
@@ -40,6 +44,16 @@ def times(x: float) -> str:
     if not math.isfinite(x):
         return f"{x}x"
     return f"{x:.2g}x" if x < 10 or x >= 1e4 else f"{x:.0f}x"
+
+
+def _names(items: list[str] | tuple[str, ...], shown: int = _SHOWN) -> str:
+    """"a, b, c and 4 more"."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def _plural(n: int, word: str, plural: str = "") -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +69,20 @@ class OpClass:
     worst: Record | None = dataclasses.field(repr=False)  # the worst kept call (None: not kept: max_records)
 
     @property
-    def reads_like(self) -> str:
-        """The arithmetic the error reads like ("TF32-like", "bfloat16-like"; "" when it is the dtype's own or
-        no known format fits): the narrowest known format within 1.5 bits of ``effective_bits``, narrower
-        than the dtype by more than 2 bits."""
+    def format_bits(self) -> int | None:
+        """The mantissa bits of the narrower arithmetic the error reads like (``FORMATS``: 7 or 10; None when it is
+        the dtype's own or no known format fits): the narrowest known format within 1.5 bits of
+        ``effective_bits``, narrower than the dtype by more than 2 bits."""
         bits, stored = self.effective_bits, min((STORED_BITS.get(d, 52) for d in self.dtypes), default=52)
         if bits is None or not math.isfinite(bits) or bits > stored - 2:
-            return ""
-        ten = "TF32" if self.op in _MATMUL_LIKE else "float16"
-        for name, p in (("bfloat16", 7), (ten, 10)):
-            if abs(bits - p) <= 1.5:
-                return f"{name}-like"
-        return ""
+            return None
+        return next((p for _, p in FORMATS if abs(bits - p) <= 1.5), None)
+
+    @property
+    def reads_like(self) -> str:
+        """The arithmetic the error reads like: "bfloat16-like", "float16-like", "TF32-like" (10 bits in a matmul or
+        convolution); "" when ``format_bits`` is None."""
+        return _like(self.format_bits, self.op in _MATMUL_LIKE)
 
     def __str__(self) -> str:
         detail = []
@@ -79,25 +95,149 @@ class OpClass:
         return f"{self.op} {times(self.budget_used)} budget{calls}" + (f" ({'; '.join(detail)})" if detail else "")
 
 
+def _like(bits: int | None, matmuls: bool) -> str:
+    if bits is None:
+        return ""
+    name = next(n for n, p in FORMATS if p == bits)
+    return f"{'TF32' if matmuls and name == 'float16' else name}-like"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arithmetic:
+    """The cause that ``ONE_CAUSE`` or more op classes over budget share: their errors all read one narrower format
+    (an emulated or misconfigured device: bfloat16 arithmetic on float32 tensors, TF32 matmuls)."""
+
+    bits: int  # the format's mantissa bits (FORMATS)
+    classes: tuple[OpClass, ...]  # worst first
+    throughout: bool  # they are at least THROUGHOUT of the op classes whose results round (an error not 0)
+    within: tuple[str, ...]  # op classes whose results round within their budgets (said when ``throughout``)
+
+    @property
+    def like(self) -> str:
+        """"bfloat16-like", "float16-like", "TF32-like" (every class a matmul or convolution)."""
+        return _like(self.bits, all(c.op in _MATMUL_LIKE for c in self.classes))
+
+    def line(self, dtypes: str) -> str:
+        worst = self.classes[0]
+        span = f"{times(min(c.budget_used for c in self.classes))} to {times(worst.budget_used)} their {dtypes} budgets"
+        at = "" if worst.worst is None else \
+            f" at {worst.worst.module or '(no module)'}, {worst.worst.phase}, call #{worst.worst.index}"
+        if self.throughout:
+            return (f"{self.like} arithmetic throughout: {len(self.classes)} op classes read ~{self.bits} bits, "
+                    f"{span} (worst: {worst.op}{at})")
+        return (f"{self.like} arithmetic in {len(self.classes)} op classes (read ~{self.bits} bits, {span}): "
+                f"{_names([c.op for c in self.classes], 6)}")
+
+
+def arithmetic(classes: list[OpClass]) -> Arithmetic | None:
+    """The format most op classes over budget read, when ``ONE_CAUSE`` or more read it (None otherwise)."""
+    over = [c for c in classes if c.over_calls]
+    groups: dict[int, list[OpClass]] = {}
+    for c in over:
+        if c.format_bits is not None:
+            groups.setdefault(c.format_bits, []).append(c)
+    if not groups:
+        return None
+    bits, group = max(groups.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+    if len(group) < ONE_CAUSE:
+        return None
+    rounding = [c for c in classes if c.effective_bits is not None and math.isfinite(c.effective_bits)]
+    throughout = len(group) >= THROUGHOUT * len(rounding)
+    within = tuple(c.op for c in rounding if not c.over_calls) if throughout else ()
+    return Arithmetic(bits, tuple(group), throughout, within)
+
+
 @dataclasses.dataclass(frozen=True)
 class NonfiniteOrigin:
-    """Where NaN/Inf is born (``Report.nonfinite_origin``): the first call whose device result holds one while its
-    inputs held none, and whether float64 gives one there too ("math") or not ("precision")."""
+    """A NaN/Inf finding: NaN or Inf that reaches the loss (a run's result), a gradient or a parameter
+    (``shadow.nonfinite.flow``), the call that made it from finite inputs, whether float64 makes it there too
+    ("math") or not ("precision": the device's dtype overflowed), and how it got there.
+
+    ``op`` is "" when no kept call made it: it came in with the inputs, or was born past the kept records
+    (``reaches`` then holds only what the trajectory saw)."""
 
     op: str
     module: str
     phase: str
     index: int
-    cause: str  # "math" | "precision"
+    cause: str  # "math" | "precision" | "" (no kept call made it)
+    reaches: tuple[Reach, ...] = ()
+    path: tuple[str, ...] = ()  # modules holding it on the way, origin to the first reach
+    callsite: str = ""
+    others: int = 0  # other births live at the first reach, which may feed it too
+    upstream: bool = False  # "precision" made before this call: float64 on the device's own inputs agrees
 
-    def __str__(self) -> str:
-        module = self.module or "(no module)"
-        where = f"NaN/Inf born in {op_class(self.op)} at {module} ({self.phase}, call #{self.index})"
+    @classmethod
+    def of(cls, f: Flow) -> NonfiniteOrigin | None:
+        if not f.reaches:
+            return None
+        o = f.origin
+        if o is None:
+            return cls("", "", "", -1, "", f.reaches)
+        upstream = o.nonfinite_cause == "precision" and o.local is not None and not o.local.nonfinite_device
+        return cls(o.op, o.module, str(o.phase), o.index, o.nonfinite_cause, f.reaches, f.path, o.callsite, f.others,
+                   upstream)
+
+    @property
+    def headline(self) -> str:
+        if not self.op:
+            seen = [r for r in self.reaches if r.record is not None]
+            if seen:
+                return (f"NaN/Inf reaches {_reach(seen[0])}, and no kept call made it from finite values: it came in "
+                        "with the inputs (the data, or a tensor made before shadow started)")
+            return (f"NaN/Inf reaches {_reach(self.reaches[0])}, born past the kept records (raise --max-records / "
+                    "max_records to see where)")
+        where = f"NaN/Inf born in {op_class(self.op)} at {self.module or '(no module)'} ({self.phase}, call #{self.index})"
         if self.cause == "math":
             return f"{where}: a math problem: float64 gives NaN/Inf there too (fix the math: the inputs reach " \
                    "a pole or leave the domain)"
+        if self.upstream:
+            return f"{where}: a precision problem: the float64 program is finite there, but float64 on the " \
+                   "device's own inputs is not: they lost it before this call (a value rounded to 0 or to inf: " \
+                   "see the op classes over budget)"
         return f"{where}: a precision problem: float64 is finite there (the dtype overflowed or lost the " \
                "difference: compute it in a wider dtype or rescale)"
+
+    @property
+    def route(self) -> str:
+        """How it got there: what it reaches, through which modules, from which line."""
+        text = "it reaches " + _and([_reach(r) for r in self.reaches])
+        if len(self.path) > 1:
+            shown = self.path if len(self.path) <= 4 else (*self.path[:3], f"... {len(self.path) - 4} more ...",
+                                                           self.path[-1])
+            text += f", through {', '.join(shown)}"
+        if self.callsite:
+            text += f"; made at {self.callsite}"
+        if self.others:
+            text += (f"; {_plural(self.others, 'other birth')} of NaN/Inf live there may feed it too "
+                     "(shadow.nonfinite)")
+        return text
+
+    def __str__(self) -> str:
+        return f"{self.headline}; {self.route}" if self.op else self.headline
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _reach(r: Reach) -> str:
+    what = {"loss": "the loss", "result": "the result", "gradients": "the gradients", "parameters": "the parameters"}[
+        r.what]
+    rec = r.record
+    if rec is None:
+        return f"{what} (after optimizer step {r.step})"
+    if r.what in ("loss", "result"):
+        return f"{what} ({op_class(rec.op)}, call #{rec.index})"
+    return f"{what} (first: {op_class(rec.op)} at {rec.module or '(no module)'}, {rec.phase}, call #{rec.index})"
+
+
+def _absorbed_line(a: Absorbed, trained: bool) -> str:
+    made = f"NaN/Inf made in {a.op} at {_names(list(a.modules))} ({_plural(a.calls, 'call')}; " + (
+        "float64 makes it too)" if a.cause == "math" else "the device's rounding: float64 is finite there)")
+    fate = f"absorbed by {_names(list(a.absorbers))}" if a.absorbers else "never read by a call shadow compared"
+    targets = "no loss, gradient or parameter" if trained else "not the result"
+    return f"info: {made}, {fate}: it reaches {targets}, so it is not a finding"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +249,12 @@ class Verdict:
     budgeted: int  # ... held to a rule's error budget
     dtypes: tuple[str, ...]  # floating result dtypes of the budgeted calls
     over_budget: tuple[OpClass, ...]  # op classes with calls over budget, worst first
-    nonfinite: NonfiniteOrigin | None  # where NaN/Inf is born (None: nowhere in the kept records)
+    arithmetic: Arithmetic | None  # the format most of them read, said once (None: no shared cause)
+    nonfinite: NonfiniteOrigin | None  # NaN/Inf that reaches the loss, a gradient or a parameter (None: none does)
+    absorbed: tuple[Absorbed, ...]  # NaN/Inf born and absorbed before any of those: information
+    trained: bool  # the run has a backward (its targets: losses, gradients, parameters; else its result)
     nonfinite_elements: int  # elements where device and shadow disagree on NaN/Inf (every call)
-    first_nonfinite_op: str  # ... the op of the first of them ("" if none)
+    first_nonfinite_op: str  # ... the op of the first of them when it is past the kept records ("" otherwise)
     untrusted: tuple[tuple[str, int], ...]  # (op class, calls) whose float64 reference mpmath found wrong
     unsupported: tuple[tuple[str, str], ...]  # (op, first reason) of the ops shadow could not replay
     unsupported_calls: int
@@ -119,38 +262,61 @@ class Verdict:
 
     @property
     def suspicious(self) -> bool:
-        """Something a user should look at: an op over budget, NaN/Inf born or disagreed on, a wrong reference."""
-        return bool(self.over_budget or self.nonfinite or self.nonfinite_elements or self.untrusted)
+        """Something a user should look at: an op over budget, NaN/Inf reaching what is trained or disagreed on past
+        the kept records, a wrong reference."""
+        return bool(self.over_budget or self.nonfinite or self.first_nonfinite_op or self.untrusted)
+
+    @property
+    def plot(self) -> str:
+        """The figure of ``shadow.plots.FIGURES`` that shows the verdict: the bits each op class reads when op
+        classes are over budget, else the drift along the op sequence (where a NaN/Inf finding is born is marked
+        on it)."""
+        return "bits" if self.over_budget and self.nonfinite is None else "drift"
 
     @property
     def lines(self) -> list[str]:
         dtypes = "/".join(d.replace("torch.", "") for d in self.dtypes) or "float"
         out = []
-        if self.over_budget:
+        if self.nonfinite is not None:
+            out.append(self.nonfinite.headline)
+            if self.nonfinite.op:
+                out.append(f"  {self.nonfinite.route}")
+        if self.arithmetic is not None:
+            out.append(self.arithmetic.line(dtypes))
+            others = [c for c in self.over_budget if c not in self.arithmetic.classes]
+            if others:
+                out.append(f"exceptions: {_plural(len(others), 'op class', 'op classes')} over budget "
+                           f"read{'s' if len(others) == 1 else ''} otherwise:")
+                out += [f"  {c}" for c in others]
+            if self.arithmetic.within:
+                out.append(f"exceptions: within their {dtypes} budgets: {_names(list(self.arithmetic.within), 6)}")
+        elif self.over_budget:
             n = len(self.over_budget)
-            out.append(f"verdict: {n} op class{'es' if n > 1 else ''} over budget ({'their' if n > 1 else 'its'} own "
+            out.append(f"{n} op class{'es' if n > 1 else ''} over budget ({'their' if n > 1 else 'its'} own "
                        f"error beyond what a correct {dtypes} kernel makes):")
             out += [f"  {c}" for c in self.over_budget]
-        if self.nonfinite is not None:
-            out.append(("verdict: " if not out else "") + str(self.nonfinite))
-        elif self.nonfinite_elements:
-            out.append(("verdict: " if not out else "") + f"device and shadow disagree on NaN/Inf in "
-                       f"{self.nonfinite_elements} elements, first in {op_class(self.first_nonfinite_op)}; where it "
-                       "was born is past the kept records (raise --max-records / max_records)")
+        if self.first_nonfinite_op:
+            out.append(f"device and shadow disagree on NaN/Inf in {self.nonfinite_elements} elements, first in "
+                       f"{op_class(self.first_nonfinite_op)}; where it was born is past the kept records (raise "
+                       "--max-records / max_records)")
         if self.untrusted:
-            shown = ", ".join(f"{op} ({n} call{'s' if n > 1 else ''})" for op, n in self.untrusted[:_SHOWN])
-            more = f" and {len(self.untrusted) - _SHOWN} more" if len(self.untrusted) > _SHOWN else ""
-            out.append(("verdict: " if not out else "") + f"float64 itself is inaccurate (cancellation) in {shown}"
-                       f"{more}: their figures use mpmath's exact value where sampled")
+            shown = _names([f"{op} ({_plural(n, 'call')})" for op, n in self.untrusted])
+            out.append(f"float64 itself is inaccurate (cancellation) in {shown}: their figures use mpmath's exact "
+                       "value where sampled")
         if not out:
             if not self.replayed:
-                out.append("verdict: no op call was replayed: nothing to judge")
+                out.append("no op call was replayed: nothing to judge")
             elif not self.budgeted:
-                out.append(f"verdict: {self.replayed} replayed calls, none held to an error budget (budgets off): "
+                out.append(f"{self.replayed} replayed calls, none held to an error budget (budgets off): "
                            "their local errors are not judged")
             else:
-                out.append(f"verdict: all {self.replayed} replayed calls within their {dtypes} budgets: "
-                           "nothing suspicious")
+                out.append(f"all {self.replayed} replayed calls within their {dtypes} budgets: nothing suspicious")
+        out[0] = "verdict: " + out[0]
+        shown_absorbed = self.absorbed[:_SHOWN]
+        out += [_absorbed_line(a, self.trained) for a in shown_absorbed]
+        if len(self.absorbed) > _SHOWN:
+            out.append(f"info: and {len(self.absorbed) - _SHOWN} more op classes made NaN/Inf that was absorbed "
+                       "(shadow.nonfinite.flow lists them)")
         if self.unsupported:
             shown = "; ".join(f"{op} ({why})" for op, why in self.unsupported[:_SHOWN])
             more = f"; and {len(self.unsupported) - _SHOWN} more ops" if len(self.unsupported) > _SHOWN else ""
@@ -192,8 +358,9 @@ def conclude(report: Report) -> Verdict:
     """The verdict on ``report``: findings as data, and their lines."""
     by_op = report.by_op
     classes = op_classes(report)
-    origin = report.nonfinite_origin()
+    nonfinite = flow(report)
     first = min(((a.first_nonfinite, op) for op, a in by_op.items() if a.first_nonfinite is not None), default=None)
+    kept = {r.index for r in report.records}
     untrusted: dict[str, int] = {}
     for op, a in by_op.items():
         if a.spot_untrusted:
@@ -218,9 +385,9 @@ def conclude(report: Report) -> Verdict:
     return Verdict(
         calls=cov.calls, replayed=cov.replayed, budgeted=sum(c.budgeted_calls for c in classes),
         dtypes=tuple(sorted({d for c in classes for d in c.dtypes})),
-        over_budget=tuple(c for c in classes if c.over_calls),
-        nonfinite=None if origin is None else NonfiniteOrigin(origin.op, origin.module, str(origin.phase),
-                                                              origin.index, origin.nonfinite_cause),
-        nonfinite_elements=sum(a.nonfinite for a in by_op.values()), first_nonfinite_op=first[1] if first else "",
+        over_budget=tuple(c for c in classes if c.over_calls), arithmetic=arithmetic(classes),
+        nonfinite=NonfiniteOrigin.of(nonfinite), absorbed=nonfinite.absorbed, trained=nonfinite.trained,
+        nonfinite_elements=sum(a.nonfinite for a in by_op.values()),
+        first_nonfinite_op=first[1] if first is not None and first[0] not in kept else "",
         untrusted=tuple(sorted(untrusted.items(), key=lambda kv: (-kv[1], kv[0]))),
         unsupported=unsupported, unsupported_calls=cov.unsupported_calls, notes=tuple(notes))

@@ -88,7 +88,8 @@ def test_nonfinite_origin():
     with ShadowMode() as sm:
         Net()(torch.tensor([1.0, -1.0]))
     text = _section(shadow.html.render(sm.report), "Where NaN/Inf is born")
-    assert "aten.log.default at Net (forward" in text and "a math problem: float64 gives NaN/Inf there too" in text
+    assert "born in aten.log at Net (forward" in text and "a math problem: float64 gives NaN/Inf there too" in text
+    assert "it reaches the result (aten.log, call #" in text  # a run without backward: its last result
 
 
 def test_html_command_writes_page_and_pngs(saved, tmp_path, capsys):

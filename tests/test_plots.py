@@ -157,7 +157,7 @@ def test_empty_report_says_no_records(make):
 
 def test_write_pngs(report, tmp_path):
     paths = plots.write_pngs(report, tmp_path / "new" / "dir")
-    assert [p.rsplit("/", 1)[-1] for p in paths] == ["drift.png", "budget.png", "modules.png", "trajectory.png"]
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["drift.png", "budget.png", "bits.png", "modules.png", "trajectory.png"]
     for path in paths:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

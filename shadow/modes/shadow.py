@@ -135,7 +135,7 @@ class ShadowMode:
 
         meta = {"shadow": __version__, "torch": torch.__version__, "numerics": numerics_settings(), "options": {
             "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow,
-            "spot_checks": repr(self.options.spot_checks), "callsites": self.options.callsites}}
+            "spot_checks": self.options.spot_checks.option, "callsites": self.options.callsites}}
         return meta
 
     def __enter__(self) -> ShadowMode:

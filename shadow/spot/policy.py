@@ -149,6 +149,16 @@ class SpotConfig:
             return cls(mode="per_op", per_op=types.MappingProxyType(per_op))
         raise ShadowOptionError(f"spot_checks={value!r} ({type(value).__name__}). {_FORMS}")
 
+    @property
+    def option(self) -> str | int | dict:
+        """The ``spot_checks=`` value that parses to this config, as a report's meta keeps it ("default", "all",
+        "off", a count, {op: count}), with the fields that option cannot set beside it where they are not their
+        defaults: {"spot_checks": "default", "seed": 3}."""
+        value = self.count if self.mode == "count" else dict(self.per_op) if self.mode == "per_op" else self.mode
+        rest = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("mode", "count", "per_op") and getattr(self, f.name) != f.default}
+        return {"spot_checks": value, **rest} if rest else value
+
     def count_for(self, op_name: str) -> int | str:
         """Elements per output per call for ``op_name`` (0: none; "all": every element)."""
         if self.mode == "off":
