@@ -42,8 +42,10 @@ VALUES = frozenset({Kind.REPLAYED, Kind.DECOMPOSED})  # calls whose result was c
 class Reach:
     """The first place of one kind that holds NaN/Inf: ``what`` is "loss" (a step's loss: the last one-element
     floating result before its backward), "result" (a run without backward: its last floating result),
-    "gradients" (a backward call's result) or "parameters" (an optimizer call's result). ``record``: that call
-    (None where only the trajectory saw it, past the kept records: ``step`` says after which optimizer step)."""
+    "gradients" (a backward call's result), "parameters" (a parameter after an optimizer step, as the trajectory
+    compares them) or "state" (an optimizer call's result while the parameters stay finite: Adam's moments).
+    ``record``: the first such call (None where only the trajectory saw it, past the kept records); ``step``: the
+    optimizer step after which the trajectory saw it."""
 
     what: str
     record: Record | None
@@ -122,15 +124,21 @@ def _reaches(report: Report, targets: list[Record], trained: bool) -> tuple[Reac
     target = next((r for r in targets if holds(r)), None)
     if target is not None:
         found["loss" if trained else "result"] = Reach("loss" if trained else "result", target)
-    for what, phase in (("gradients", Phase.BACKWARD), ("parameters", Phase.OPTIMIZER)):
-        rec = next((r for r in report.records if r.phase is phase and holds(r)), None)
-        if rec is not None:
-            found[what] = Reach(what, rec)
-    for s in report.trajectory:  # steps past the kept records, where only the trajectory looked
-        if "loss" not in found and s.loss is not None and not math.isfinite(s.loss):
-            found["loss"] = Reach("loss", None, s.step)
-        if "parameters" not in found and not math.isfinite(s.params):
-            found["parameters"] = Reach("parameters", None, s.step)
+    elif trained:  # a loss past the kept records, where only the trajectory looked
+        step = next((s.step for s in report.trajectory if s.loss is not None and not math.isfinite(s.loss)), None)
+        if step is not None:
+            found["loss"] = Reach("loss", None, step)
+    gradient = next((r for r in report.records if r.phase is Phase.BACKWARD and holds(r)), None)
+    if gradient is not None:
+        found["gradients"] = Reach("gradients", gradient)
+    # an optimizer call's result is a parameter or the optimizer's state (Adam's moments): the trajectory, which
+    # compares every parameter after each step, tells them apart where it ran
+    optimizer = next((r for r in report.records if r.phase is Phase.OPTIMIZER and holds(r)), None)
+    step = next((s.step for s in report.trajectory if not math.isfinite(s.params)), None)
+    if step is not None or (optimizer is not None and not report.trajectory):
+        found["parameters"] = Reach("parameters", optimizer, step)
+    elif optimizer is not None:
+        found["state"] = Reach("state", optimizer)
     return tuple(sorted(found.values(), key=lambda r: (r.record is None, r.record.index if r.record else r.step)))
 
 

@@ -85,10 +85,15 @@ class OpClass:
         return _like(self.format_bits, self.op in _MATMUL_LIKE)
 
     def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, like: bool = True) -> str:
+        """The class in a line; ``like=False`` leaves out what its bits read like (an exception to a shared cause:
+        9 bits under bfloat16 arithmetic is luckier rounding, not float16)."""
         detail = []
         if self.effective_bits is not None and math.isfinite(self.effective_bits):
-            like = self.reads_like
-            detail.append(f"reads ~{self.effective_bits:.0f} bits" + (f": {like}" if like else ""))
+            shown = self.reads_like if like else ""
+            detail.append(f"reads ~{self.effective_bits:.0f} bits" + (f": {shown}" if shown else ""))
         if self.worst is not None:
             detail.append(f"worst: {self.worst.module or '(no module)'}, {self.worst.phase}, call #{self.worst.index}")
         calls = f" in {self.over_calls} of {self.budgeted_calls} calls" if self.over_calls else ""
@@ -222,8 +227,8 @@ def _and(items: list[str]) -> str:
 
 
 def _reach(r: Reach) -> str:
-    what = {"loss": "the loss", "result": "the result", "gradients": "the gradients", "parameters": "the parameters"}[
-        r.what]
+    what = {"loss": "the loss", "result": "the result", "gradients": "the gradients", "parameters": "the parameters",
+            "state": "the optimizer's state"}[r.what]
     rec = r.record
     if rec is None:
         return f"{what} (after optimizer step {r.step})"
@@ -287,7 +292,7 @@ class Verdict:
             if others:
                 out.append(f"exceptions: {_plural(len(others), 'op class', 'op classes')} over budget "
                            f"read{'s' if len(others) == 1 else ''} otherwise:")
-                out += [f"  {c}" for c in others]
+                out += [f"  {c.describe(like=False)}" for c in others]
             if self.arithmetic.within:
                 out.append(f"exceptions: within their {dtypes} budgets: {_names(list(self.arithmetic.within), 6)}")
         elif self.over_budget:

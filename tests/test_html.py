@@ -20,6 +20,7 @@ import shadow.html  # noqa: E402  (registers the command, as the CLI's import of
 from shadow import Kind, Phase, Record, Report, ShadowMode, cli, plots  # noqa: E402
 from shadow.report import LEGEND  # noqa: E402
 from shadow.verdict import conclude  # noqa: E402
+import corpus  # noqa: E402
 from test_plots import tf32_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,6 +61,50 @@ def test_page_holds_verdict_meta_coverage_tables_and_plots(page, saved):
     assert all(f"<dt>{name}</dt><dd>{html.escape(LEGEND[name])}</dd>" in page for name in LEGEND)
     assert "No kept call produced NaN or Inf" in page
     assert page.count('src="data:image/png;base64,') == len(plots.FIGURES)
+
+
+@pytest.fixture(scope="module")
+def bf16_page() -> str:
+    """A hand-written causal transformer (its mask by masked_fill(-inf)) on the emulated bfloat16 device."""
+    from shadow.modes.emulate import BF16Mode
+
+    program = corpus.build("gpt_masked_fill", steps=1)
+    with BF16Mode(), ShadowMode() as sm:
+        corpus.run(program)
+    return shadow.html.render(sm.report)
+
+
+# a repr of an internal object: "SpotConfig(mode='default', ...", "mappingproxy({})", "<Phase.FORWARD: ...>",
+# "<object at 0x7f...>"
+REPR = re.compile(r"\b[A-Za-z_]\w*\((?:[A-Za-z_]\w*=|\{|\[)|mappingproxy|<\w+\.[A-Z_]+: | object at 0x[0-9a-f]+")
+
+
+def _text(page: str) -> str:
+    """What the page shows: its markup, scripts and styles dropped, entities read."""
+    body = re.sub(r"<(script|style)>.*?</\1>", "", page, flags=re.S)
+    return html.unescape(re.sub(r"<[^>]*>", " ", body))
+
+
+def test_no_repr_of_an_internal_object_on_the_page(page, bf16_page):
+    for shown in (page, bf16_page):
+        text = _text(shown)
+        assert "options" in text and "spot_checks" in text
+        assert not REPR.search(text), REPR.search(text)
+    assert "spot_checks default " in " ".join(_text(bf16_page).split())  # the option as the user gives it
+
+
+def test_bfloat16_page_opens_with_the_verdict_and_its_plot(bf16_page):
+    """The verdict (one cause, its exception, the mask as information) and the bits plot that shows it come
+    first, before the run's meta."""
+    verdict = html.unescape(re.search(r'<pre class="verdict suspicious">(.*?)</pre>', bf16_page, re.S).group(1))
+    classes = int(re.match(r"verdict: bfloat16-like arithmetic throughout: (\d+) op classes read ~7 bits", verdict)[1])
+    assert classes >= 15 and len(verdict.splitlines()) < 8  # 15 and more classes said in a line, not a line each
+    assert verdict.splitlines()[-1].startswith("info: NaN/Inf made in aten.masked_fill at GPT.h.0.attn, GPT.h.1.attn")
+    head = bf16_page[:bf16_page.index("<h2>")]
+    assert head.count("data:image/png;base64,") == 1 and '<figure id="plot-bits" class="verdict">' in head
+    assert bf16_page.count('id="plot-bits"') == 1  # not again under Plots
+    born = _section(bf16_page, "Where NaN/Inf is born")
+    assert "not a finding" in born and "<td>aten.masked_fill</td>" in born and "<td>aten._softmax</td>" in born
 
 
 def test_page_is_self_contained(page):
@@ -133,20 +178,52 @@ def test_without_matplotlib(saved, tmp_path, monkeypatch, capsys):
     assert "pip install matplotlib" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
+CHROMIUM = pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium is not installed (Debian: "
+                              "apt-get install chromium; .ci/run installs it)")
+# measures the first screen once the page and its images have loaded, into the DOM that --dump-dom prints
+_MEASURE = """<script>window.addEventListener("load", function () {
+  var img = document.querySelector("figure.verdict img"), pre = document.querySelector("pre.verdict");
+  var out = document.createElement("pre"); out.id = "fold";
+  out.textContent = JSON.stringify({height: window.innerHeight, verdict: pre.getBoundingClientRect().bottom,
+    plot: img.getBoundingClientRect().bottom, plotHeight: img.getBoundingClientRect().height,
+    loaded: img.complete && img.naturalHeight > 0, text: document.body.innerText});
+  document.body.appendChild(out);
+});</script>"""
+
+
+def _chromium(page: str, tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    out = tmp_path / "r.html"
+    out.write_text(page, encoding="utf-8")
+    run = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0", *flags,
+                          out.as_uri()], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+@CHROMIUM
+@pytest.mark.parametrize("which", ("tf32", "bf16"))
+def test_first_screen_holds_the_verdict_and_its_plot(which, page, bf16_page, tmp_path):
+    """In a 1280x720 window, the verdict and the plot that shows it are on screen before any scrolling, and no repr
+    of an internal object is in the text the browser shows."""
+    import json
+
+    shown = {"tf32": page, "bf16": bf16_page}[which].replace("</body>", _MEASURE + "</body>")
+    run = _chromium(shown, tmp_path, "--window-size=1280,720", "--dump-dom")
+    fold = json.loads(html.unescape(re.search(r'<pre id="fold">(.*?)</pre>', run.stdout, re.S).group(1)))
+    assert fold["loaded"] and 550 <= fold["height"] <= 720  # the viewport: the window less what headless keeps
+    assert 0 < fold["verdict"] < fold["plot"] <= fold["height"] and fold["plotHeight"] > 250
+    assert not REPR.search(fold["text"]), REPR.search(fold["text"])
+
+
+@CHROMIUM
 def test_page_in_headless_chromium(page, tmp_path):
     from matplotlib.image import imread
     import numpy as np
 
-    out, shot = tmp_path / "r.html", tmp_path / "shot.png"
-    out.write_text(page, encoding="utf-8")
+    shot = tmp_path / "shot.png"
     # one launch: the DOM after load on stdout, the console on stderr (--enable-logging), and a screenshot
-    run = subprocess.run(
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
-         "--enable-logging=stderr", "--v=0", "--dump-dom", f"--screenshot={shot}", "--window-size=1200,3000",
-         out.as_uri()], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _chromium(page, tmp_path, "--dump-dom", f"--screenshot={shot}", "--window-size=1200,3000")
     console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
     assert not console, console  # the page logs nothing: any console line is an error (or a CSP refusal)
 
