@@ -99,9 +99,9 @@ def _site(rec: Record) -> tuple[str, str]:
     return rec.op, rec.callsite or rec.module
 
 
-def _targets(records: list[Record]) -> tuple[list[Record], bool]:
-    """The calls whose results are the run's targets, and whether it trained: each backward's loss; in a run
-    without backward, its last floating result compared."""
+def _targets(records: list[Record], stepped: bool) -> tuple[list[Record], bool]:
+    """The calls whose results are the run's targets, and whether it trained (a backward, or an optimizer step:
+    ``stepped``): each backward's loss; in a run without either, its last floating result compared."""
     losses, last, backward = [], None, False
     for rec in records:
         if rec.phase is Phase.BACKWARD:
@@ -112,7 +112,7 @@ def _targets(records: list[Record]) -> tuple[list[Record], bool]:
             backward = False
             if loss_candidate(rec.op, rec.phase, math.prod(rec.shape), "float" in rec.dtype):
                 last = rec
-    if any(r.phase is Phase.BACKWARD for r in records):
+    if stepped or any(r.phase is Phase.BACKWARD for r in records):
         return losses, True
     final = next((r for r in reversed(records) if r.kind in VALUES and "float" in r.dtype
                   and (r.local is not None or r.drift is not None)), None)
@@ -145,7 +145,7 @@ def _reaches(report: Report, targets: list[Record], trained: bool) -> tuple[Reac
 def flow(report: Report) -> Flow:
     """Where the NaN/Inf of ``report``'s kept calls is born, where it goes, and what absorbs it."""
     records = report.records
-    targets, trained = _targets(records)
+    targets, trained = _targets(records, bool(report.trajectory))
     reaches = _reaches(report, targets, trained)
     end = reaches[0].record if reaches else None  # the call where NaN/Inf first reaches (None: none kept)
     live: list[int] = []  # positions of the births not absorbed yet, in order

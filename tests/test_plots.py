@@ -108,6 +108,30 @@ def test_budget_figure_zero_and_infinite_use():
     assert [t.get_text() for t in ax.texts] == ["inf !", "0.5", "0"]
 
 
+def test_bits_figure_places_each_rounding_op_class(report):
+    """TF32's matmuls sit on the 10-bit line far above the budget, every other op class at float32's bits below."""
+    from shadow.verdict import op_classes
+
+    ax = plots.bits_figure(report).axes[0]
+    rounding = [c for c in op_classes(report) if c.effective_bits is not None]
+    over = next(c for c in ax.collections if c.get_gid() == "bits:over").get_offsets()
+    within = next(c for c in ax.collections if c.get_gid() == "bits:within").get_offsets()
+    assert len(over) == 2 and len(over) + len(within) == len(rounding)
+    assert all(9 <= b <= 11 and u > 1 for b, u in over) and all(b > 18 and u <= 1 for b, u in within)
+    assert {t.get_text() for t in ax.texts} >= {"mm", "addmm", " bfloat16", " float16 / TF32", " float32"}
+    assert ax.get_yscale() == "log"
+
+
+def test_drift_figure_marks_where_a_nan_finding_is_born():
+    net = torch.nn.Linear(4, 4)
+    with ShadowMode() as sm:
+        torch.log(net(torch.randn(3, 4))).sum().backward()  # some outputs negative: NaN in the loss
+    born = sm.report.nonfinite_origin()
+    ax = plots.drift_figure(sm.report).axes[0]
+    (line,) = [line for line in ax.lines if line.get_gid() == "nonfinite:born"]
+    assert list(line.get_xdata()) == [born.index, born.index] and line.get_label() == "NaN/Inf born (aten.log)"
+
+
 def test_module_heatmap_modules_by_phase(report):
     fig = plots.module_heatmap(report)
     ax = fig.axes[0]
@@ -157,7 +181,8 @@ def test_empty_report_says_no_records(make):
 
 def test_write_pngs(report, tmp_path):
     paths = plots.write_pngs(report, tmp_path / "new" / "dir")
-    assert [p.rsplit("/", 1)[-1] for p in paths] == ["drift.png", "budget.png", "bits.png", "modules.png", "trajectory.png"]
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["drift.png", "budget.png", "bits.png", "modules.png",
+                                                     "trajectory.png"]
     for path in paths:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,8 @@ from shadow import ShadowMode
 from shadow.modes import TF32Mode
 from shadow.records import BudgetInfo, Kind, Phase, Record
 from shadow.report import LEGEND, Report
-from shadow.verdict import OpClass, conclude, op_class, times
+from shadow.trajectory import StepDrift
+from shadow.verdict import OpClass, arithmetic, conclude, op_class, times
 
 
 class Net(nn.Module):
@@ -78,6 +79,28 @@ def test_reads_like():
     assert cls("aten.sum", None).reads_like == "" and "reads" not in str(cls("aten.sum", None))
 
 
+def test_one_cause_for_op_classes_reading_one_format():
+    def cls(op, bits, used=5.0):
+        return OpClass(op, 2, 2 if used > 1 else 0, used, bits, ("torch.float32",), None)
+
+    bf16 = [cls("aten.add", 6.5, 3e5), cls("aten.mm", 7.1, 4e3), cls("aten.gelu", 7.0, 4e3), cls("aten.sum", 6.2)]
+    odd, exact = cls("aten._foreach_add_", 18.3, 1.4e4), cls("aten.clone", None, 0.0)
+    within = cls("aten.relu", 22.5, 0.3)
+    cause = arithmetic(bf16 + [odd, within, exact])
+    # 4 of the 6 classes that round read 7 bits: >= 2/3, "throughout"; clone is exact, relu within its budget
+    assert (cause.bits, cause.like, cause.throughout, cause.within) == (7, "bfloat16-like", True, ("aten.relu",))
+    assert cause.classes == tuple(bf16)
+    assert cause.line("float32") == ("bfloat16-like arithmetic throughout: 4 op classes read ~7 bits, 5x to 3e+05x "
+                                     "their float32 budgets (worst: aten.add)")
+    assert arithmetic(bf16[:2] + [odd]) is None  # two classes: listed one by one
+    tf32 = [cls("aten.mm", 10.1), cls("aten.addmm", 9.8), cls("aten.bmm", 10.0)]
+    cause = arithmetic(tf32 + [cls(f"aten.op{i}", 22.0, 0.2) for i in range(4)])
+    assert cause.like == "TF32-like" and not cause.throughout and cause.within == ()
+    assert cause.line("float32") == ("TF32-like arithmetic in 3 op classes (read ~10 bits, 5x to 5x their float32 "
+                                     "budgets): aten.mm, aten.addmm, aten.bmm")
+    assert arithmetic(tf32 + [cls("aten.sum", 10.2)]).like == "float16-like"  # 10 bits outside matmuls too
+
+
 def test_helpers():
     assert op_class("aten.add.Tensor") == "aten.add" and op_class("aten.mm") == "aten.mm"
     assert [times(x) for x in (0.31, 4.0, 40.2, 2749.2, 12345.0)] == ["0.31x", "4x", "40x", "2749x", "1.2e+04x"]
@@ -107,6 +130,23 @@ def test_inf_born_of_the_precision():
     assert v.nonfinite is not None and v.nonfinite.cause == "precision" and v.nonfinite.module == ""
     assert v.lines[0].startswith("verdict: NaN/Inf born in aten.exp at (no module) (other, call #")
     assert "a precision problem: float64 is finite there" in v.lines[0]
+
+
+def test_nan_from_outside_and_past_the_kept_records():
+    x = torch.tensor([1.0, float("nan")])  # the user's data holds a NaN before shadow sees it
+    with ShadowMode() as sm:
+        (x * 2).sum()
+    v = conclude(sm.report)
+    assert v.nonfinite is not None and v.nonfinite.op == "" and v.absorbed == ()
+    assert v.lines[0] == ("verdict: NaN/Inf reaches the result (aten.sum, call #1), and no kept call made it from "
+                          "finite values: it came in with the inputs (the data, or a tensor made before shadow "
+                          "started)")
+    rep = Report()  # a step's loss NaN where only the trajectory looked (records capped)
+    rep.trajectory.append(StepDrift(1, float("nan"), float("nan"), float("nan"), "fc.weight", float("nan")))
+    v = conclude(rep)
+    assert [r.what for r in v.nonfinite.reaches] == ["loss", "parameters"] and v.suspicious
+    assert v.lines[0] == ("verdict: NaN/Inf reaches the loss (after optimizer step 1), born past the kept records "
+                          "(raise --max-records / max_records to see where)")
 
 
 def test_no_budgets(clean):
