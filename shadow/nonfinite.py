@@ -34,6 +34,9 @@ from .trajectory import loss_candidate
 if TYPE_CHECKING:
     from .report import Report
 
+# ops that check gradients for NaN/Inf so that the optimizer step is skipped (GradScaler's): gradients they read are
+# caught there, by base name (shadow.opsets)
+CHECKS = frozenset({"_amp_foreach_non_finite_check_and_unscale"})
 BORN = ("math", "precision")  # Record.nonfinite_cause of a call that makes NaN/Inf from finite inputs
 VALUES = frozenset({Kind.REPLAYED, Kind.DECOMPOSED})  # calls whose result was compared: whether it holds NaN/Inf is known
 
@@ -62,6 +65,7 @@ class Absorbed:
     modules: tuple[str, ...]  # in the order first seen
     calls: int
     absorbers: tuple[str, ...]  # op classes, in the order first seen; () when no kept call read it
+    caught: bool = False  # it is in the gradients, caught by a check (CHECKS: GradScaler skips those steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,12 @@ def holds(rec: Record) -> bool:
 def absorbs(rec: Record) -> bool:
     """The call read NaN/Inf and returned none (softmax of a -inf mask; a comparison or a cast to integers)."""
     return rec.inputs_nonfinite and rec.kind in VALUES and rec.nonfinite_cause is None
+
+
+def checks(rec: Record) -> bool:
+    """The call checks gradients for NaN/Inf (``CHECKS``), so that the optimizer skips the step."""
+    parts = rec.op.split(".")
+    return len(parts) >= 2 and base_name(parts[1]) in CHECKS
 
 
 def written(rec: Record) -> bool:
@@ -131,6 +141,7 @@ def _reaches(report: Report, targets: list[Record], trained: bool) -> tuple[Reac
     gradient = next((r for r in report.records if r.phase is Phase.BACKWARD and holds(r)), None)
     if gradient is not None:
         found["gradients"] = Reach("gradients", gradient)
+    caught = gradient is not None and any(checks(r) for r in report.records if r.index > gradient.index)
     # an optimizer call's result is a parameter or the optimizer's state (Adam's moments): the trajectory, which
     # compares every parameter after each step, tells them apart where it ran
     optimizer = next((r for r in report.records if r.phase is Phase.OPTIMIZER and holds(r)), None)
@@ -139,6 +150,8 @@ def _reaches(report: Report, targets: list[Record], trained: bool) -> tuple[Reac
         found["parameters"] = Reach("parameters", optimizer, step)
     elif optimizer is not None:
         found["state"] = Reach("state", optimizer)
+    if caught and found.keys() == {"gradients"}:  # GradScaler skipped the steps: nothing else holds it
+        del found["gradients"]
     return tuple(sorted(found.values(), key=lambda r: (r.record is None, r.record.index if r.record else r.step)))
 
 
@@ -156,7 +169,7 @@ def flow(report: Report) -> Flow:
     for i, rec in enumerate(records):
         if rec.nonfinite_cause in BORN:
             live.append(i)
-        elif absorbs(rec) and live:
+        elif (absorbs(rec) or checks(rec)) and live:
             birth = live.pop()
             absorbed_by.setdefault(birth, []).append(rec)
             absorbing_sites.add(_site(records[birth]))
@@ -172,17 +185,17 @@ def flow(report: Report) -> Flow:
         for rec in records[start:stop + 1]:
             if holds(rec):
                 path.setdefault(rec.module or "(no module)")
-    groups: dict[tuple[str, str], tuple[dict, list[Record], dict]] = {}
+    groups: dict[tuple[str, str], tuple[dict, list[int], dict]] = {}  # (op class, cause) -> modules, calls, absorbers
     reached = set(at_end)
     for i, rec in enumerate(records[:stop]):
         if rec.nonfinite_cause not in BORN or i in reached or (reaches and i not in absorbed_by):
             continue
         modules, calls, absorbers = groups.setdefault((op_class(rec.op), rec.nonfinite_cause), ({}, [], {}))
         modules.setdefault(rec.module or "(no module)")
-        calls.append(rec)
+        calls.append(i)
         for a in absorbed_by.get(i, ()):
-            absorbers.setdefault(op_class(a.op))
-    absorbed = tuple(Absorbed(op, cause, tuple(modules), len(calls), tuple(absorbers))
+            absorbers[op_class(a.op)] = absorbers.get(op_class(a.op), False) or checks(a)
+    absorbed = tuple(Absorbed(op, cause, tuple(modules), len(calls), tuple(absorbers), any(absorbers.values()))
                      for (op, cause), (modules, calls, absorbers) in groups.items())
     origin = records[start] if start is not None else None
     others = len(at_end) - (start in reached) if origin is not None else 0

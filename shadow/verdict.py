@@ -242,6 +242,9 @@ def _absorbed_line(a: Absorbed, trained: bool) -> str:
         "float64 makes it too)" if a.cause == "math" else "the device's rounding: float64 is finite there)")
     fate = f"absorbed by {_names(list(a.absorbers))}" if a.absorbers else "never read by a call shadow compared"
     targets = "no loss, gradient or parameter" if trained else "not the result"
+    if a.caught:
+        fate = f"caught in the gradients by {_names(list(a.absorbers))} (GradScaler skips those optimizer steps)"
+        targets = "no loss or parameter"
     return f"info: {made}, {fate}: it reaches {targets}, so it is not a finding"
 
 

@@ -9,6 +9,7 @@
   on a plain model and inside a masked transformer (where the masks are births too).
 - A float32 program on the emulated bfloat16 device concludes in one line plus exceptions, and every result that
   device returns is a bfloat16 value.
+- Gradients that overflow float16 and that a GradScaler catches (it skips the step) are information too.
 - ``shadow run`` on a tutorial-style training script with a masked_fill(-inf) causal mask.
 """
 
@@ -213,6 +214,41 @@ def test_emulated_float16_device_overflows_where_float64_is_finite():
     assert found.op.rsplit(".", 1)[0] in ("aten.pow", "aten.mul")  # (x * 300) ** 2: its square overflows
     assert "a precision problem: float64 is finite there" in v.lines[0]
     assert {r.what for r in found.reaches} == reached
+
+
+def _scaled_steps(steps: int = 2) -> tuple[nn.Module, list[torch.Tensor], list[float]]:
+    """float16 autocast with a GradScaler whose first scale (2**24) overflows the backward: it skips the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    x, y = torch.randn(32, 16) * 30, torch.randint(0, 4, (32,))
+    before = [p.detach().clone() for p in model.parameters()]
+    scales = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert math.isfinite(loss.item())
+    return model, before, scales
+
+
+def test_gradients_a_grad_scaler_catches_are_information():
+    model, before, scales = _scaled_steps()  # the truth: inf gradients, every step skipped, parameters unchanged
+    assert scales == [2.0**23, 2.0**22] and any(not torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with ShadowMode() as sm:
+        _scaled_steps()
+    v = conclude(sm.report)
+    assert v.nonfinite is None and v.lines[0].endswith("nothing suspicious")
+    (caught,) = v.absorbed
+    assert caught.caught and caught.cause == "precision" and caught.absorbers == (
+        "aten._amp_foreach_non_finite_check_and_unscale_",)
+    assert "(GradScaler skips those optimizer steps): it reaches no loss or parameter" in v.text
 
 
 def _hook_log(module: nn.Module) -> None:
