@@ -15,6 +15,9 @@ and call site) never had its NaN/Inf absorbed elsewhere in the run (the same mas
 then one that computed it (log, div, exp) rather than placed a value it was given (masked_fill(-inf), full), then
 the earliest. ``Flow.others`` counts the other live births, which may feed the reach too.
 
+Gradients that a GradScaler's check reads (``CHECKS``) while nothing else holds NaN/Inf are caught: it skips those
+steps, as it is meant to, and they are information too.
+
 >>> f = flow(rep)                                             # doctest: +SKIP
 >>> f.origin.op, [r.what for r in f.reaches]                  # doctest: +SKIP
 ('aten.log.default', ['loss', 'gradients', 'parameters'])
@@ -78,7 +81,8 @@ class Flow:
     path: tuple[str, ...]  # modules of the calls holding NaN/Inf from the origin to the first reach, in order
     others: int  # other births live at the first reach, which may feed it too
     absorbed: tuple[Absorbed, ...]  # births that reach nothing (information, not a finding)
-    trained: bool  # the run has a backward: its targets are losses, gradients and parameters, else its result
+    trained: bool  # the run has a backward or an optimizer step: its targets are losses, gradients and parameters,
+    # else its result
 
 
 def holds(rec: Record) -> bool:
@@ -93,15 +97,19 @@ def absorbs(rec: Record) -> bool:
 
 def checks(rec: Record) -> bool:
     """The call checks gradients for NaN/Inf (``CHECKS``), so that the optimizer skips the step."""
-    parts = rec.op.split(".")
-    return len(parts) >= 2 and base_name(parts[1]) in CHECKS
+    return _base(rec) in CHECKS
 
 
 def written(rec: Record) -> bool:
     """The call only places values it was given (``shadow.opsets.DATA_MOVEMENT``: masked_fill, full, where...), so
     the NaN/Inf it made from finite inputs was an argument: ``masked_fill(mask, float('-inf'))`` on purpose."""
+    return _base(rec) in DATA_MOVEMENT
+
+
+def _base(rec: Record) -> str:
+    """The op's base name, as the op sets hold it: "aten.masked_fill_.Scalar" -> "masked_fill"."""
     parts = rec.op.split(".")
-    return len(parts) >= 2 and base_name(parts[1]) in DATA_MOVEMENT
+    return base_name(parts[1]) if len(parts) >= 2 else rec.op
 
 
 def _site(rec: Record) -> tuple[str, str]:

@@ -291,7 +291,9 @@ class Report:
     def nonfinite_origin(self) -> Record | None:
         """Where NaN/Inf is born: the first kept call whose device result holds a NaN or an infinity while none
         of its inputs did. ``rec.nonfinite_cause`` tells a math problem ("math": float64 gives NaN there too)
-        from a precision one ("precision": float64 is finite); later calls fed by it say "propagated".
+        from a precision one ("precision": float64 is finite); later calls fed by it say "propagated". Whether it
+        matters is ``shadow.nonfinite.flow``'s answer: an attention mask of -inf is born here too, and softmax
+        absorbs it before the loss, the gradients and the parameters.
 
         >>> rec = rep.nonfinite_origin(); rec.op, rec.module, rec.nonfinite_cause   # doctest: +SKIP
         ('aten.log.default', 'Net.bad', 'math')
