@@ -11,6 +11,7 @@ dropout off, so that the float64 and the mixed runs draw no random masks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -27,6 +28,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAST = ("gpt2_eager", "gpt_masked_fill")  # the default suite's models; the rest of the corpus is slow
 SLOW = ("gpt2", "llama_gqa", "bert", "t5", "vit", "gpt_log_tril", "lstm_lm", "resnet")
+# the modules held to 3x, by class (and ResNet's residual block, the hand-written GPT's MLP, by name)
+KINDS = {
+    "block": {"GPT2Block", "GPTBlock", "LlamaDecoderLayer", "BertLayer", "T5Block", "ViTLayer"},
+    "attention": {"GPT2Attention", "CausalSelfAttention", "LlamaAttention", "BertAttention", "BertSelfAttention",
+                  "T5LayerSelfAttention", "T5LayerCrossAttention", "T5Attention", "ViTAttention"},
+    "mlp": {"GPT2MLP", "LlamaMLP", "BertIntermediate", "BertOutput", "T5LayerFF", "T5DenseActDense", "ViTMLP"},
+}
+BY_NAME = {"block": "block", "mlp": "mlp"}  # last component of the path -> kind
 
 
 def program(name: str):
@@ -61,11 +70,17 @@ def _cast(value, dtype: torch.dtype):
 
 
 def module_names(model: nn.Module, forward, batch) -> dict[str, nn.Module]:
-    """The modules that run in a forward, by torch's ModuleTracker names (the class name, then the dotted path)."""
-    tracker = ModuleTracker()
-    with tracker, torch.no_grad():
-        forward(model, batch)
-    return {name: m for m, name in tracker._known_modules.items()}
+    """The model's modules that run in a forward, by torch's ModuleTracker names (the class name, then the dotted
+    path); not those a forward makes anew at each call (BERT's and T5's CrossEntropyLoss), which no hook reaches."""
+    tracker, ran = ModuleTracker(), []
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, args: ran.append(m))
+    try:
+        with tracker, torch.no_grad():
+            forward(model, batch)
+    finally:
+        handle.remove()
+    own = set(model.modules())
+    return {tracker._known_modules[m]: m for m in ran if m in own}
 
 
 class KeepFloat64(TorchFunctionMode):
@@ -108,15 +123,27 @@ class Direct:
         with KeepFloat64(self):  # with autograd, as the step: kernels pick their paths by it (attention's mask)
             return float(self.forward(self.model, self.batch).detach())
 
-    def change(self, key: str) -> float:
-        """|loss with module ``key`` alone in dtype - loss| / |loss|."""
-        module = self.modules[key]
+    def change(self, *keys: str) -> float:
+        """|loss with modules ``keys`` (disjoint subtrees) in dtype - loss| / |loss|."""
+        handles = []
+        for key in keys:
+            handles += self._narrow(self.modules[key])
+        try:
+            mixed = self._loss()
+        finally:
+            for h in handles:
+                h.remove()
+        return abs(mixed - self.truth) / abs(self.truth)
+
+    def _narrow(self, module: nn.Module) -> list:
+        """Hooks that run ``module`` in dtype: its parameters and floating buffers cast while it runs (a weight tied
+        to a module outside stays as it is there), its inputs and outputs cast at its boundary."""
         inner = list(module.modules())
         saved: list = []
 
         def pre(m, args, kwargs):
             self.inside += 1
-            for sub in inner:  # its parameters and floating buffers, while it runs (a tied weight stays outside)
+            for sub in inner:
                 for store in (sub._parameters, sub._buffers):
                     for n, t in store.items():
                         if t is not None and t.is_floating_point():
@@ -131,14 +158,8 @@ class Direct:
                 store[n] = t
             return _cast(out, torch.float64)
 
-        handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
-                   module.register_forward_hook(post, with_kwargs=True)]
-        try:
-            mixed = self._loss()
-        finally:
-            for h in handles:
-                h.remove()
-        return abs(mixed - self.truth) / abs(self.truth)
+        return [module.register_forward_pre_hook(pre, with_kwargs=True),
+                module.register_forward_hook(post, with_kwargs=True)]
 
 
 # --- figures ------------------------------------------------------------------------------------------------------
@@ -153,3 +174,90 @@ def spearman(a: list[float], b: list[float]) -> float:
     ra, rb = ranks(a), ranks(b)
     n = len(a)
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def kind(key: str, module: nn.Module) -> str | None:
+    """"block", "attention", "mlp" or None."""
+    found = [k for k, classes in KINDS.items() if type(module).__name__ in classes]
+    return found[0] if found else BY_NAME.get(key.rsplit(".", 1)[-1])
+
+
+@dataclasses.dataclass
+class Answer:
+    """One corpus model's bf16 audit by module tree, and the direct run of every module it has a row for."""
+
+    program: tuple  # (model, batch, forward, step)
+    truth: Direct
+    audit: shadow.AuditReport
+    estimates: dict[str, float]
+    direct: dict[str, float]
+    kinds: dict[str, str]  # key -> block, attention or mlp
+
+    def factor(self, key: str) -> float:
+        """max(estimate, direct) / min(estimate, direct): 1 where they agree."""
+        a, b = self.estimates[key], self.direct[key]
+        return max(a, b) / min(a, b) if min(a, b) > 0 else math.inf
+
+    def spearman(self) -> float:
+        keys = sorted(self.direct)
+        return spearman([self.estimates[k] for k in keys], [self.direct[k] for k in keys])
+
+
+_ANSWERS: dict[str, Answer] = {}
+
+
+def answer(name: str) -> Answer:
+    if name not in _ANSWERS:
+        run = model, batch, forward, step = program(name)
+        aud = shadow.audit(step, precisions=("bf16",), verify=0)
+        truth = Direct(model, batch, forward)
+        keys = [r.key for r in aud.rows if r.key in truth.modules]
+        _ANSWERS[name] = Answer(run, truth, aud, {r.key: r.estimate for r in aud.rows},
+                                {k: truth.change(k) for k in keys},
+                                {k: kd for k in keys if (kd := kind(k, truth.modules[k])) is not None})
+    return _ANSWERS[name]
+
+
+def _check(name: str) -> None:
+    if name in corpus.HF_MODELS:
+        transformers = pytest.importorskip("transformers")
+        if not transformers.utils.is_torch_available():
+            pytest.skip(f"transformers {transformers.__version__} does not run on torch {torch.__version__}")
+    a = answer(name)
+    # every module with calls has a row, those whose work is all in their children too (GPT-2's mlp)
+    computing = {k for k, m in a.truth.modules.items() if not isinstance(m, (nn.ModuleList, nn.Dropout))}
+    assert computing <= set(a.estimates), sorted(computing - set(a.estimates))
+    assert a.kinds or name == "lstm_lm"
+    for key, k in a.kinds.items():  # each block, attention and MLP within 3x of its direct run
+        assert a.factor(key) <= 3, (key, k, a.estimates[key], a.direct[key])
+    assert a.spearman() >= 0.8
+    # no infinite estimate, no overflow (a float32 mask is no bfloat16 overflow)
+    assert all(math.isfinite(r.estimate) and not r.overflow for r in a.audit.rows)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_estimates_match_direct_one_module_runs(name):
+    _check(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_estimates_match_direct_one_module_runs_on_the_rest_of_the_corpus(name):
+    _check(name)
+
+
+def test_a_plan_names_subtrees_and_runs_exactly_what_it_prints():
+    """The hand-written GPT computes its loss in its own forward: the plan never prints the model for it."""
+    a = answer("gpt_masked_fill")
+    model, _, _, step = a.program
+    plan = a.audit.plan(tolerance=1e-4)
+    text = str(plan)
+    lines = [ln.strip().rsplit(": ", 1) for ln in text.splitlines()[1:] if ln.strip().endswith(": bf16")]
+    assert {k: p for k, p in lines} == plan.parts and len(lines) >= 3
+    assert all(not b.startswith(c + ".") for b in plan.parts for c in plan.parts)  # disjoint subtrees
+    assert "GPT" not in plan.parts and a.audit.target_at == "GPT" and "the loss (in GPT's own calls)" in text
+    assert plan.estimate <= 1e-4 / 2
+    expected = a.truth.change(*plan.parts)  # those subtrees in bfloat16, everything else in float64
+    plan.apply(model)
+    measured = plan.check(step)
+    assert expected / 1.5 <= measured <= 1.5 * expected and measured <= 1e-4, (measured, expected)

@@ -32,11 +32,12 @@ from ..modes.shadow import ShadowMode
 from ..records import Phase, Record
 from .held import BF16Held, FP16Held
 from .onepass import Emulated
-from .plan import OUTSIDE, Plan, choose
+from .plan import Plan, choose
 from .upcasts import Upcasts
 from .ranges import Ranges
 
 BY = ("module", "op")
+OUTSIDE = "(outside any module)"  # how tables name the part "": the calls outside any module (the loss, often)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from ..modes.emulate import Emulation
 from ..modes.emulate._mode import Rule, register
 from ..modes.emulate._utils import computes, transform_io
-from ..modes.emulate.formats import BF16, FP16, Format, round_stored
+from ..modes.emulate.formats import BF16, FP16, Format, round_to
 from ..plan import OpPlan, flat_returns
 from ..rules import RuleTable
 
@@ -36,6 +36,24 @@ from ..rules import RuleTable
 @dataclasses.dataclass(frozen=True)
 class HeldOptions:
     upcasts: Any = None  # shadow.precision.upcasts.Upcasts: the tensors the model holds in float32 (None: none)
+
+
+def round_stored(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``x`` rounded to ``fmt`` (to nearest even) as a model held in ``fmt`` has it: the largest finite values of
+    ``x``'s dtype, the masks models build as ``finfo(dtype).min``, become ``fmt``'s largest, the mask that model
+    builds (rounded, float32's would overflow bfloat16 and float16 to -inf); a new tensor in ``x``'s dtype.
+
+    >>> round_stored(torch.tensor([torch.finfo(torch.float32).min, 1 + 2**-9]), BF16)
+    tensor([-3.3895e+38,  1.0000e+00])
+    """
+    r = round_to(x, fmt)
+    if not x.is_floating_point() or not x.numel() or torch.finfo(x.dtype).max <= fmt.max:
+        return r
+    big = torch.finfo(x.dtype).max
+    low, high = torch.aminmax(x)
+    if low == -big or high == big:
+        r = torch.where(x.abs() == big, torch.copysign(torch.full_like(r, fmt.max), x), r)
+    return r
 
 
 def stores(plan: OpPlan) -> bool:

@@ -13,7 +13,8 @@ part's direct run over six seeds, and a block's estimate is not the sum of its c
 
 Worlds end at the first backward or optimizer call (a module may be called again until then: a shared activation, a
 loop). They hold at most as many bytes as the shadows themselves (at least ``MIN_BYTES``); beyond that a world ends
-early (``_bound``), and its part's later calls are estimated on float64 inputs (``dropped``). Calls whose result is a
+early (``_bound``), as it does where a call cannot be recomputed in it, and its part's later calls are estimated on
+float64 inputs (``dropped``), its change by the first-order sum. Calls whose result is a
 written argument (in-place, out=) are emulated in no world (overwritten by then); a world they write a storage of
 holds no value of (the shadow's must not be written) keeps the float64 shadow's. Calls with fresh results that also
 write arguments (batch norm's running statistics) are emulated, their writes going to copies.
@@ -179,7 +180,10 @@ class Emulated:
             for w in [w for w in self._worlds if w[0] == name and w not in mine]:
                 args = self._inputs(self._worlds[w], p, wide)
                 if args is not None:  # some input differs in this world: the call in float64 on its values
-                    self._keep(w, outs, plan, float64(args))
+                    try:
+                        self._keep(w, outs, plan, float64(args))
+                    except Exception:  # never into the engine (it would adopt the device's values): the world ends
+                        self._end(w)
             if not chain:
                 if emulable:  # an op this precision's device leaves as it is: no error
                     for _ in parts:
@@ -191,14 +195,19 @@ class Emulated:
                 world = self._worlds.get(w)
                 args = self._inputs(world, p, wide) if world is not None else None
                 ref = None  # the float64 result on the world's inputs (None: the shadow's)
-                if args is None:
-                    if on_shadow is None:
-                        on_shadow = self._emulate(mode, chain, plan, p.shadow.args, p.shadow.kwargs, dtype, outs,
-                                                  None, wide)
-                    y, errors = on_shadow
-                else:
-                    ref = float64(args)
-                    y, errors = self._emulate(mode, chain, plan, *args, dtype, outs, ref, wide)
+                try:
+                    if args is None:
+                        if on_shadow is None:
+                            on_shadow = self._emulate(mode, chain, plan, p.shadow.args, p.shadow.kwargs, dtype, outs,
+                                                      None, wide)
+                        y, errors = on_shadow
+                    else:
+                        ref = float64(args)
+                        y, errors = self._emulate(mode, chain, plan, *args, dtype, outs, ref, wide)
+                except Exception:  # never into the engine: no error counted for this call, the world ends
+                    add(None)
+                    self._end(w)
+                    continue
                 if y is NotImplemented:  # unclaimed (data movement, or not a matmul for tf32 and fp8): no error
                     add(None)
                     if ref is not None:
@@ -282,9 +291,12 @@ class Emulated:
         of) before the others."""
         cap = max(self._mirror.held, MIN_BYTES)
         while self._worlds and sum(w.nbytes for w in self._worlds.values()) > cap:
-            w = max(self._worlds, key=lambda k: (k[1] not in parts, self._worlds[k].nbytes))
-            del self._worlds[w]
-            self.dropped.add(w)
+            self._end(max(self._worlds, key=lambda k: (k[1] not in parts, self._worlds[k].nbytes)))
+
+    def _end(self, w: tuple[str, str]) -> None:
+        """World ``w`` ends early: its part's later calls are estimated on float64 inputs (``dropped``)."""
+        self._worlds.pop(w, None)
+        self.dropped.add(w)
 
 
 def _wide_inputs(p: Any, upcasts: Upcasts) -> dict[int, bool]:

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 FORMAT = "shadow-precision-plan"
 VERSION = 2  # 2: subtrees by module (``own``), ``target_at``
-OUTSIDE = "(outside any module)"  # how tables and plans name the part "": the calls outside any module
 
 
 @dataclasses.dataclass
@@ -64,7 +63,7 @@ class Plan:
         lines = [f"precision plan by {what}, tolerance {self.tolerance:.3g} (estimated change {self.estimate:.3g}):"]
         lines += [f"  {self.name(k)}: {p}" for k, p in sorted(self.parts.items())] or ["  (every part stays as it is)"]
         if self.by == "module":
-            stays = [OUTSIDE[1:-1]]
+            stays = ["the calls outside any module"]
             if self.target_at and not self.covers(self.target_at):
                 stays.insert(0, f"the loss (in {self.target_at}'s own calls)")
             elif self.target_at == "":
@@ -73,13 +72,15 @@ class Plan:
         return "\n".join(lines)
 
     def name(self, key: str) -> str:
-        """How the plan names a part: a module subtree by its path ("(the whole model)" for the root), a module's
-        own calls as such ("the loss among them" where the target is computed there)."""
+        """How the plan names a part: a module subtree by its path, a module's own calls as such; where the target
+        (the loss) is computed, it says so."""
         if self.by != "module":
             return key
         if self.own:
             return f"{key} (own calls{', the loss among them' if key == self.target_at else ''})"
-        return f"{key} (the whole model)" if "." not in key else key
+        if self.target_at and (self.target_at == key or self.target_at.startswith(key + ".")):
+            return f"{key} (with the loss)"
+        return key
 
     def covers(self, module: str) -> str | None:
         """The precision the plan gives the calls ``module`` runs itself (None: they stay)."""

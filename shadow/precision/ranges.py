@@ -1,7 +1,7 @@
 """Range risks of narrow formats: per part, the largest activation and gradient against the format's largest value,
 and the share of values below its smallest normal (subnormal there, or flushed to zero). The largest finite values
 of a result's dtype are masks (``finfo(dtype).min`` added to scores), not values: a model run in a narrower format
-builds its own (``shadow.modes.emulate.formats.round_stored``)."""
+builds its own (``shadow.precision.held.round_stored``)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 from ...opsets import DATA_MOVEMENT, PARTIAL_WRITES, VIEW_COPIES
 from ...plan import OpPlan, flat_returns
 from ...rules import RuleTable
-from .formats import Format, round_stored
+from .formats import Format, round_to
 
 aten = torch.ops.aten
 
@@ -65,10 +65,9 @@ def transform_io(fn: Callable[[torch.Tensor], torch.Tensor], plan: OpPlan, args:
 
 def rounding_table(name: str, fmt: Format) -> RuleTable:
     """The rule table of a device that stores in float32 but computes in ``fmt`` (bf16, fp16): every op that
-    computes values gets its floating inputs and outputs rounded to ``fmt`` as a model in ``fmt`` holds them
-    (``round_stored``: float32's masks become ``fmt``'s), by ``transform_io``; the rest pass."""
+    computes values gets its floating inputs and outputs rounded to ``fmt`` (``transform_io``); the rest pass."""
     def rounded(t: torch.Tensor) -> torch.Tensor:
-        return t if t.dtype is fmt.dtype else round_stored(t, fmt)
+        return t if t.dtype is fmt.dtype else round_to(t, fmt)
 
     table = RuleTable(name)  # no default: unclaimed ops pass through
     table.register_predicate(computes)(functools.partial(transform_io, rounded))

@@ -84,24 +84,6 @@ def round_to(x: torch.Tensor, fmt: Format, rounding: str | Rounding = "rne") -> 
     return torch.where(x.abs() < float("inf"), r, x)  # NaN payloads kept bit for bit
 
 
-def round_stored(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """``x`` rounded to ``fmt`` (to nearest even) as a model run in ``fmt`` holds it: the largest finite values of
-    ``x``'s dtype, the masks models build as ``finfo(dtype).min``, become ``fmt``'s largest, the mask that model
-    builds (rounded, float32's would overflow bfloat16 and float16 to -inf); a new tensor in ``x``'s dtype.
-
-    >>> round_stored(torch.tensor([torch.finfo(torch.float32).min, 1 + 2**-9]), BF16)
-    tensor([-3.3895e+38,  1.0000e+00])
-    """
-    r = round_to(x, fmt)
-    if not x.is_floating_point() or not x.numel() or torch.finfo(x.dtype).max <= fmt.max:
-        return r
-    big = torch.finfo(x.dtype).max
-    low, high = torch.aminmax(x)
-    if low == -big or high == big:
-        r = torch.where(x.abs() == big, torch.copysign(torch.full_like(r, fmt.max), x), r)
-    return r
-
-
 _RNE_MAGIC = 1.5 * 2.0**52  # adding it leaves no fraction bits: the sum is rounded to an integer
 
 
