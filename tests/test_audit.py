@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import shadow
 from models import one_step
+from test_answers_audit import spearman
 from shadow import ShadowOptionError
 from shadow.precision.plan import Plan
 
@@ -62,19 +63,6 @@ def audited():
     return model, opt, step, start, aud
 
 
-def _spearman(a: list[float], b: list[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        for rank, i in enumerate(order):
-            r[i] = float(rank)
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_sensitive_part_comes_first_and_estimates_match_direct_runs(audited, precision):
     aud = audited[-1]
@@ -84,7 +72,7 @@ def test_the_sensitive_part_comes_first_and_estimates_match_direct_runs(audited,
     top = sorted(rows, key=lambda r: -r.verified)[:5]
     for r in top:  # the one-pass estimate against the part run alone in that precision
         assert r.verified / 2 <= r.estimate <= 2 * r.verified, (r.key, r.estimate, r.verified)
-    assert _spearman([r.estimate for r in rows], [r.verified for r in rows]) >= 0.8
+    assert spearman([r.estimate for r in rows], [r.verified for r in rows]) >= 0.8
     assert aud.row("Model.norm", precision).verified > 10 * aud.row("Model.head", precision).verified
 
 

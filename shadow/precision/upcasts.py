@@ -46,7 +46,12 @@ def _sdpa_upcasts(args: tuple, kwargs: dict) -> bool:
     computes bfloat16 and float16 inputs in float32 unless that reduction is allowed (torch >= 2.5; before,
     in the inputs' dtype)."""
     allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
-    return allowed is not None and not allowed() and torch._fused_sdp_choice(*args, **kwargs) == 0
+    if allowed is None or allowed():
+        return False
+    try:
+        return torch._fused_sdp_choice(*args, **kwargs) == 0
+    except Exception:  # arguments the call itself will refuse: it says why, not this question
+        return False
 
 
 # functions whose kernels compute narrow inputs in float32 inside (no cast a float32 run could see): on the call's
