@@ -17,6 +17,7 @@ per part (``shadow.precision.plan``). docs/audit.md: what each figure means, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format
 from ..modes.select import Scoped
 from ..modes.shadow import ShadowMode
 from ..records import Phase, Record
-from .held import BF16Held, FP16Held
+from .held import Held
 from .onepass import Emulated
 from .plan import Plan, choose
 from .upcasts import Upcasts
@@ -55,8 +56,8 @@ class Precision:
 
 PRECISIONS: dict[str, Precision] = {  # mode(upcasts): the emulated device of a run whose upcasts are watched
     "fp8": Precision("fp8", lambda upcasts: FP8Mode(), E4M3, True, 3),
-    "bf16": Precision("bf16", BF16Held, BF16, False, 7),
-    "fp16": Precision("fp16", FP16Held, FP16, False, 10),
+    "bf16": Precision("bf16", functools.partial(Held, BF16), BF16, False, 7),
+    "fp16": Precision("fp16", functools.partial(Held, FP16), FP16, False, 10),
     "tf32": Precision("tf32", lambda upcasts: TF32Mode(), TF32, False, 10),
 }
 # the plan tries cheaper precisions first: fewer mantissa bits, then the narrower range (fp16 before tf32)
@@ -188,7 +189,7 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
         ranges.observe(rec, outputs, parts)
         emulated.observe(rec, outputs, p, parts)
 
-    with state.learning(), upcasts:
+    with state.learning(), upcasts, emulated.before():
         run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=observe, ready=ready)
     after = state.save()
     if run.t_64.numel() != 1:

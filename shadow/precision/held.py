@@ -25,8 +25,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ..modes.emulate import Emulation
-from ..modes.emulate._mode import Rule, register
+from ..modes.emulate._mode import Rule
 from ..modes.emulate._utils import computes, transform_io
 from ..modes.emulate.formats import BF16, FP16, Format, round_to
 from ..plan import OpPlan, flat_returns
@@ -137,6 +139,8 @@ def _stored(fmt: Format, plan: OpPlan, args: tuple, kwargs: dict, options: HeldO
 
 
 def held_table(name: str, fmt: Format) -> RuleTable[Rule]:
+    """What a part held in ``fmt`` computes differently: ops that compute values (on wide inputs only, on the
+    native kernels, else rounded), data movement (rounded); everything else passes."""
     table: RuleTable[Rule] = RuleTable(name)  # no default: views and the rest pass through
     table.register_predicate(lambda plan: computes(plan) or stores(plan))(functools.partial(_wide, fmt))
     table.register_predicate(computes)(functools.partial(_native, fmt))
@@ -145,19 +149,17 @@ def held_table(name: str, fmt: Format) -> RuleTable[Rule]:
     return table
 
 
-@register("bf16_held", held_table("bf16_held", BF16), HeldOptions)
-class BF16Held(Emulation):
-    """A part held in bfloat16: ops on the device's bfloat16 kernels, data movement rounded to bfloat16, what the
-    model holds in float32 (``upcasts``) kept there."""
-
-    def __init__(self, upcasts: Any = None):
-        super().__init__(self.name, upcasts=upcasts)
+_TABLES = {fmt.name: held_table(f"{fmt.name} held", fmt) for fmt in (BF16, FP16)}
 
 
-@register("fp16_held", held_table("fp16_held", FP16), HeldOptions)
-class FP16Held(Emulation):
-    """A part held in float16: ops on the device's float16 kernels, data movement rounded to float16, what the
-    model holds in float32 (``upcasts``) kept there."""
+class Held(Emulation):
+    """A part held in ``fmt`` (BF16, FP16): ops on the device's kernels for it, data movement rounded to it, what the
+    model holds in float32 (``upcasts``) kept there. The audit's own device: not among ``emulate()``'s names.
 
-    def __init__(self, upcasts: Any = None):
-        super().__init__(self.name, upcasts=upcasts)
+    >>> with Scoped(Held(BF16), module="Net.fc1"), ShadowMode() as sm:   # doctest: +SKIP
+    ...     loss = net(x).sum()
+    """
+
+    def __init__(self, fmt: Format, upcasts: Any = None):
+        TorchDispatchMode.__init__(self)  # not Emulation's: that one looks the device up among the registered
+        self.name, self.table, self.options = f"{fmt.name} held", _TABLES[fmt.name], HeldOptions(upcasts)

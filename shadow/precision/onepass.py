@@ -14,10 +14,10 @@ part's direct run over six seeds, and a block's estimate is not the sum of its c
 Worlds end at the first backward or optimizer call (a module may be called again until then: a shared activation, a
 loop). They hold at most as many bytes as the shadows themselves (at least ``MIN_BYTES``); beyond that a world ends
 early (``_bound``), as it does where a call cannot be recomputed in it, and its part's later calls are estimated on
-float64 inputs (``dropped``), its change by the first-order sum. Calls whose result is a
-written argument (in-place, out=) are emulated in no world (overwritten by then); a world they write a storage of
-holds no value of (the shadow's must not be written) keeps the float64 shadow's. Calls with fresh results that also
-write arguments (batch norm's running statistics) are emulated, their writes going to copies.
+float64 inputs (``dropped``), its change by the first-order sum. Calls whose result is a written argument
+(in-place, out=) are emulated in no world, but run in the worlds that hold their inputs, on the world's copy of what
+they write (taken before they run: ``before``). Calls with fresh results that also write arguments (batch norm's
+running statistics) are emulated, their writes going to copies.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..plan import flat_returns
+from ..plan import flat_returns, plan_of
 from ..records import Phase, Record
 from ..replay import Replay
 from ..rules import run_chain
@@ -64,6 +65,10 @@ class _World:
 
     def put(self, base: torch.Tensor, region: torch.Tensor, value: torch.Tensor) -> None:
         """The world's ``value`` where device tensor ``region`` lies in the storage whose shadow is ``base``."""
+        self.hold(base).as_strided(region.size(), region.stride(), region.storage_offset()).copy_(value)
+
+    def hold(self, base: torch.Tensor) -> torch.Tensor:
+        """The world's copy of the storage whose shadow is ``base`` (made from the shadow's values if none)."""
         key = base.untyped_storage()._cdata
         got = self.values.get(key)
         if got is None or got[0]() is not base:
@@ -73,7 +78,11 @@ class _World:
             got = self.values[key] = (weakref.ref(base, lambda ref: (w := me()) is not None and w._forget(key, ref)),
                                       world)
             self.nbytes += world.numel() * world.element_size()
-        got[1].as_strided(region.size(), region.stride(), region.storage_offset()).copy_(value)
+        return got[1]
+
+    def holds(self, base: torch.Tensor) -> bool:
+        got = self.values.get(base.untyped_storage()._cdata)
+        return got is not None and got[0]() is base
 
     def _forget(self, key: int, ref: weakref.ref) -> None:
         got = self.values.get(key)
@@ -127,6 +136,30 @@ class Emulated:
         it: the target of the part's own run, every other call in float64."""
         got = self._scalars.get(id(t))
         return got[2] if got is not None and got[0]() is t else {}
+
+    def before(self) -> TorchDispatchMode:
+        """A mode to enter outside ShadowMode for the run: it sees each call before the device runs it (and shadow
+        replays it), when the shadows of what an in-place call writes still hold the values it reads: a world that
+        holds another of its inputs takes its copy of them then, so that the call can run in it (``_inputs``)."""
+        return _Before(self)
+
+    def _before(self, func: Any, args: tuple, kwargs: dict) -> None:
+        plan = plan_of(func)
+        if not self._worlds or not plan.writes or not any(r.aliases_write for r in plan.returns):
+            return
+        bases = self._mirror._entries
+        written = {t.untyped_storage()._cdata for _, t in plan.tensors(args, kwargs, plan.writes)}
+        read = [e.base for _, t in plan.tensors(args, kwargs) if t.untyped_storage()._cdata not in written
+                and (e := bases.get(t.untyped_storage()._cdata)) is not None]
+        if not read:
+            return
+        with _no_dispatch():
+            for world in self._worlds.values():
+                if any(world.holds(b) for b in read):
+                    for key in written:
+                        e = bases.get(key)
+                        if e is not None and e.base.dtype == torch.float64:
+                            world.hold(e.base)
 
     def observe(self, rec: Record, outputs: list, p: Any, parts: tuple[str, ...]) -> None:
         self._errors = {}
@@ -297,6 +330,17 @@ class Emulated:
         """World ``w`` ends early: its part's later calls are estimated on float64 inputs (``dropped``)."""
         self._worlds.pop(w, None)
         self.dropped.add(w)
+
+
+class _Before(TorchDispatchMode):
+    def __init__(self, emulated: Emulated):
+        super().__init__()
+        self.emulated = emulated
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.emulated._before(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def _wide_inputs(p: Any, upcasts: Upcasts) -> dict[int, bool]:
