@@ -26,13 +26,12 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..plan import flat_returns, plan_of
 from ..records import Phase, Record
 from ..replay import Replay
 from ..rules import run_chain
-from .upcasts import Upcasts
+from .upcasts import Upcasts, Watch
 
 _no_dispatch = torch._C._DisableTorchDispatch
 MIN_BYTES = 64 << 20
@@ -137,11 +136,11 @@ class Emulated:
         got = self._scalars.get(id(t))
         return got[2] if got is not None and got[0]() is t else {}
 
-    def before(self) -> TorchDispatchMode:
+    def before(self) -> Watch:
         """A mode to enter outside ShadowMode for the run: it sees each call before the device runs it (and shadow
         replays it), when the shadows of what an in-place call writes still hold the values it reads: a world that
         holds another of its inputs takes its copy of them then, so that the call can run in it (``_inputs``)."""
-        return _Before(self)
+        return Watch(before=self._before)
 
     def _before(self, func: Any, args: tuple, kwargs: dict) -> None:
         plan = plan_of(func)
@@ -330,17 +329,6 @@ class Emulated:
         """World ``w`` ends early: its part's later calls are estimated on float64 inputs (``dropped``)."""
         self._worlds.pop(w, None)
         self.dropped.add(w)
-
-
-class _Before(TorchDispatchMode):
-    def __init__(self, emulated: Emulated):
-        super().__init__()
-        self.emulated = emulated
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.emulated._before(func, args, kwargs)
-        return func(*args, **kwargs)
 
 
 def _wide_inputs(p: Any, upcasts: Upcasts) -> dict[int, bool]:

@@ -69,7 +69,7 @@ class Upcasts:
 
     def __init__(self) -> None:
         self._wide: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> it holds narrow values
-        self._modes = (_Casts(self), _Spread(self))
+        self._modes = (_Casts(self), Watch(after=self.spread))
 
     def wide(self, t: torch.Tensor) -> bool:
         return t in self._wide
@@ -181,15 +181,20 @@ class _Casts(TorchFunctionMode):
         return out
 
 
-class _Spread(TorchDispatchMode):
-    """Every op the device runs: ``Upcasts.spread``."""
+class Watch(TorchDispatchMode):
+    """Every call the device runs: ``before(func, args, kwargs)`` ahead of it, ``after(func, args, kwargs, out)``
+    once it returned. Entered outside ShadowMode, it sees the calls as the device does, after shadow prepared them
+    and before it replays them."""
 
-    def __init__(self, upcasts: Upcasts):
+    def __init__(self, before: Any = None, after: Any = None):
         super().__init__()
-        self.upcasts = upcasts
+        self.before, self.after = before, after
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.before is not None:
+            self.before(func, args, kwargs)
         out = func(*args, **kwargs)
-        self.upcasts.spread(func, args, kwargs, out)
+        if self.after is not None:
+            self.after(func, args, kwargs, out)
         return out
