@@ -1,6 +1,8 @@
 """Which op calls a device-side mode acts on (FaultMode, a scoped emulation): the ops ``op`` names, or those run
-inside ``module`` (forward and backward, its submodules' too), or both (the op inside the module). Only ops that
-compute values are ever claimed, never views, data movement or partial writes."""
+inside ``module`` (forward and backward, its submodules' too), or both (the op inside the module). A fault claims
+only ops that compute values, never views, data movement or partial writes; a scoped emulation gets every selected
+call, and its own table says which it computes differently (a part held in bfloat16 rounds its data movement too:
+``shadow.precision.held``)."""
 
 from __future__ import annotations
 
@@ -53,14 +55,18 @@ class Selection:
             self._tracker.__exit__(*exc)
 
     def claims(self, func: torch._ops.OpOverload) -> bool:
+        """A call of ``func`` now is selected and computes values."""
+        return self.selects(func) and computes(plan_of(func))
+
+    def selects(self, func: torch._ops.OpOverload) -> bool:
+        """A call of ``func`` now is one of the chosen op's, inside the chosen module."""
         if self.ops is not None and func not in self.ops:
             return False
         if self.module is None:
             return True
         name = self.module if isinstance(self.module, str) else self._tracker._known_modules.get(self.module)
         parents = self._tracker.parents
-        inside = _innermost(parents) == name if self._innermost else name in parents
-        return inside and computes(plan_of(func))
+        return _innermost(parents) == name if self._innermost else name in parents
 
 
 class Selecting(TorchDispatchMode):
@@ -101,7 +107,7 @@ class Scoped(Selecting):
         return f"Scoped({self.emulation!r})"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.selection.claims(func):
+        if self.selection.selects(func):
             return self.emulation.__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **(kwargs or {}))
         self.emulation.seen(func, args, kwargs or {}, out)

@@ -1,57 +1,64 @@
-"""``shadow.audit``: which parts of a model (modules or op classes) can run in bf16, fp16, TF32 or FP8.
+"""``shadow.audit``: which parts of a model (module subtrees, a module's own calls, or op classes) can run in bf16,
+fp16, TF32 or FP8.
 
 For every part and candidate precision: the estimated relative change of the target (the loss) if that part alone
-ran in that precision and everything else in float64. One pass, for every precision at once: the step runs as usual
-under a ShadowMode, each forward call is computed again by each precision's emulated device (``shadow.modes``) on
-the inputs it would have if its part alone ran in that precision (``onepass``), and that error is weighted by the
-float64 adjoint of the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The
-``verify`` most sensitive parts per precision are then run again one at a time, only that part emulated on the
-device (``shadow.modes.Scoped``), and measured in a float64 world where only that part's calls carry their error
-(``Engine._rewrite_shadow``). Range risks come from the same first run (``shadow.precision.ranges``).
-``AuditReport.plan(tolerance)`` picks a precision per part (``shadow.precision.plan``).
+ran in that precision and everything else in float64. By module, a part is a module with everything its forward
+runs (its submodules included: "can this block run in bf16?"), or with ``own=True`` only the calls it runs itself.
+One pass, for every precision at once: the step runs as usual under a ShadowMode, each forward call is computed
+again by each precision's emulated device (``shadow.modes``) on the inputs it would have if each part containing it
+ran alone in that precision (``onepass``), and that error is weighted by the float64 adjoint of the target
+(``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The ``verify`` most sensitive parts per
+precision are then run again one at a time, only that part emulated on the device (``shadow.modes.Scoped``), and
+measured in a float64 world where only that part's calls carry their error (``Engine._rewrite_shadow``). Range
+risks come from the same first run (``shadow.precision.ranges``). ``AuditReport.plan(tolerance)`` picks a precision
+per part (``shadow.precision.plan``). docs/audit.md: what each figure means, and how they compare with direct runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
 import torch
 
-from ..attribution.share import adjoint_pass, _key_of, _own, _read, _targets
+from ..attribution.share import adjoint_pass, _own, _read, _targets
 from ..attribution.state import StepState
 from ..errors import ShadowOptionError
-from ..modes.emulate import BF16Mode, FP8Mode, FP16Mode, TF32Mode
+from ..modes.emulate import FP8Mode, TF32Mode
 from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format
 from ..modes.select import Scoped
 from ..modes.shadow import ShadowMode
 from ..records import Phase, Record
+from .held import Held
 from .onepass import Emulated
 from .plan import Plan, choose
+from .upcasts import Upcasts
 from .ranges import Ranges
 
 BY = ("module", "op")
+OUTSIDE = "(outside any module)"  # how tables name the part "": the calls outside any module (the loss, often)
 
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """A candidate precision: its emulated device, its format (range risks), whether tensors are scaled into it
-    per tensor (FP8: no overflow), and its mantissa bits (the plan prefers fewer)."""
+    """A candidate precision: the emulated device a part runs on in it (bf16, fp16: held in the format, on the
+    device's kernels for it, ``shadow.precision.held``), its format (range risks), whether tensors are scaled
+    into it per tensor (FP8: no overflow), and its mantissa bits (the plan prefers fewer)."""
 
     name: str
-    mode: Callable[[], Any]
+    mode: Callable[[Upcasts], Any]
     format: Format
     scaled: bool
     bits: int
-    stores: bool  # results are stored in the format too (bf16, fp16), not only operands rounded (tf32, fp8)
 
 
-PRECISIONS: dict[str, Precision] = {
-    "fp8": Precision("fp8", FP8Mode, E4M3, True, 3, False),
-    "bf16": Precision("bf16", BF16Mode, BF16, False, 7, True),
-    "fp16": Precision("fp16", FP16Mode, FP16, False, 10, True),
-    "tf32": Precision("tf32", TF32Mode, TF32, False, 10, False),
+PRECISIONS: dict[str, Precision] = {  # mode(upcasts): the emulated device of a run whose upcasts are watched
+    "fp8": Precision("fp8", lambda upcasts: FP8Mode(), E4M3, True, 3),
+    "bf16": Precision("bf16", functools.partial(Held, BF16), BF16, False, 7),
+    "fp16": Precision("fp16", functools.partial(Held, FP16), FP16, False, 10),
+    "tf32": Precision("tf32", lambda upcasts: TF32Mode(), TF32, False, 10),
 }
 # the plan tries cheaper precisions first: fewer mantissa bits, then the narrower range (fp16 before tf32)
 ORDER = ("fp8", "bf16", "fp16", "tf32")
@@ -61,7 +68,7 @@ ORDER = ("fp8", "bf16", "fp16", "tf32")
 class AuditRow:
     """One part under one precision."""
 
-    key: str  # a module path ("Net.fc1") or an op overload ("aten.gelu.default")
+    key: str  # a module path ("Net.fc1"; "": the calls outside any module) or an op overload ("aten.gelu.default")
     precision: str
     estimate: float  # the estimated relative change of the target (inf: the part overflows to inf/NaN there)
     verified: float | None  # the measured change with only this part in this precision (None: not re-run)
@@ -78,7 +85,8 @@ class AuditRow:
 @dataclasses.dataclass
 class AuditReport:
     """What ``audit`` found: ``rows`` for every part and precision; ``target`` (the target's float64 value),
-    ``by``, ``runs``."""
+    ``by``, ``own`` (by module: rows of a module's own calls, not of its subtree), ``runs``, ``target_at`` (the
+    part whose own calls computed the target: a module path, "" outside any module, None where unknown)."""
 
     by: str
     precisions: tuple[str, ...]
@@ -86,6 +94,8 @@ class AuditReport:
     target: float
     runs: int
     dropped: tuple[tuple[str, str], ...] = ()  # (precision, part): later calls estimated on float64 inputs (memory)
+    own: bool = False
+    target_at: str | None = None
 
     def ranking(self, precision: str) -> list[str]:
         """The parts, most sensitive to ``precision`` first."""
@@ -100,7 +110,8 @@ class AuditReport:
     def plan(self, tolerance: float) -> Plan:
         """The lowest precision per part such that the changes of the parts moved add up to at most half of
         ``tolerance`` (a relative change of the target; half: parts moved together interact), never a precision
-        a part overflows, never the calls outside any module (the loss, the optimizer)."""
+        a part overflows, never the calls outside any module (the loss, the optimizer). By module subtrees: the
+        largest subtrees that fit, one line each (``shadow.precision.plan``)."""
         return choose(self, tolerance)
 
     def table(self, top: int | None = None) -> str:
@@ -110,7 +121,7 @@ class AuditReport:
         values fall below the format's smallest normal."""
         keys = self.ranking(self.precisions[0])
         keys = keys if top is None else keys[:top]
-        name_w = max([len(self.by)] + [len(k or "(none)") for k in keys])
+        name_w = max([len(self.by)] + [len(k or OUTSIDE) for k in keys])
         cell_w = 22
         head = f"{self.by:<{name_w}}" + "".join(f"  {p:>{cell_w}}" for p in self.precisions)
         lines = [head, "-" * len(head)]
@@ -122,31 +133,37 @@ class AuditReport:
                     _num(r.estimate) + (f" ({_num(r.verified)})" if r.verified is not None else "")
                 flags = ("O" if r.overflow else "") + ("U" if r.underflow > 0.01 else "")
                 cells.append(f"  {(text + (' ' + flags if flags else '')):>{cell_w}}")
-            lines.append(f"{key or '(none)':<{name_w}}" + "".join(cells))
-        lines.append(f"relative change of the target (float64 value {self.target:.6g}) if the part alone ran in the "
-                     "precision; (measured); - not touched; O overflow, U >1% below the smallest normal; "
+            lines.append(f"{key or OUTSIDE:<{name_w}}" + "".join(cells))
+        part = "part" if self.by == "op" else "module's own calls" if self.own else "module (with its submodules)"
+        lines.append(f"relative change of the target (float64 value {self.target:.6g}) if the {part} alone ran in "
+                     "the precision; (measured); - not touched; O overflow, U >1% below the smallest normal; "
                      f"{self.runs} runs")
         if self.dropped:
-            ended = ", ".join(f"{k or '(none)'} ({p})" for p, k in self.dropped)
+            ended = ", ".join(f"{k or OUTSIDE} ({p})" for p, k in self.dropped)
             lines.append(f"estimated on float64 inputs after their first call (memory bound): {ended}")
         return "\n".join(lines)
 
 
 def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp16", "tf32"), by: str = "module",
-          target: Any = None, verify: int = 5, **shadow_options: Any) -> AuditReport:
+          own: bool = False, target: Any = None, verify: int = 5, **shadow_options: Any) -> AuditReport:
     """How much each part (``by="module"`` or ``"op"``) would move ``step``'s target in each precision.
 
     ``step``: a zero-argument callable running the computation and returning the target (the loss: a one-element
     tensor); ``target``: something else to read after the step (a one-element tensor, or a callable returning
-    one). ``precisions``: any of "fp8", "bf16", "fp16", "tf32". ``verify``: how many of the most sensitive parts
-    per precision are re-run alone. ``shadow_options``: for the first (unemulated) run. The user's objects are
-    left as after one ordinary step.
+    one). ``precisions``: any of "fp8", "bf16", "fp16", "tf32". By module, a row covers the module with its
+    submodules ("transformer.h.0.mlp": the MLP), or with ``own=True`` only the calls the module runs itself (its
+    residual adds, where the loss is computed). ``verify``: how many of the most sensitive parts per precision
+    are re-run alone. ``shadow_options``: for the first (unemulated) run. The user's objects are left as after
+    one ordinary step.
 
     >>> aud = shadow.audit(lambda: train_step(model, batch), precisions=("bf16", "fp16"))   # doctest: +SKIP
     >>> print(aud.table()); plan = aud.plan(tolerance=1e-3)                                 # doctest: +SKIP
     """
     if by not in BY:
         raise ShadowOptionError(f"audit(by={by!r}): expected one of {', '.join(map(repr, BY))}")
+    if not isinstance(own, bool) or (own and by != "module"):
+        raise ShadowOptionError(f"audit(own={own!r}, by={by!r}): own=True (a module's own calls, not its "
+                                "submodules') goes with by='module'")
     unknown = [p for p in precisions if p not in PRECISIONS] if isinstance(precisions, (tuple, list)) else [precisions]
     if unknown or not precisions:
         raise ShadowOptionError(f"audit(precisions={precisions!r}): expected a tuple of {', '.join(map(repr, ORDER))}")
@@ -156,58 +173,88 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
         raise ShadowOptionError(f"audit(step={step!r}): expected a zero-argument callable that runs the "
                                 "computation and returns the target (the loss)")
     precisions = tuple(precisions)
-    key = (lambda rec: rec.module) if by == "module" else (lambda rec: rec.op)
+    tree = by == "module" and not own
     state = StepState()
-    ranges = Ranges(key, {p: (PRECISIONS[p].format, PRECISIONS[p].scaled) for p in precisions})
-    emulated = Emulated(precisions, [PRECISIONS[p].mode() for p in precisions], key, by)
+    ranges = Ranges({p: (PRECISIONS[p].format, PRECISIONS[p].scaled) for p in precisions})
+    upcasts = Upcasts()
+    emulated = Emulated(precisions, [PRECISIONS[p].mode(upcasts) for p in precisions], upcasts)
+    running: list = []  # the ShadowMode's module tracking (``Attribution``), once the run starts
+
+    def ready(sm: ShadowMode) -> None:
+        emulated.attach(sm)
+        running.append(sm._engine.attr)
 
     def observe(rec: Record, outputs: list, p: Any) -> None:
-        ranges.observe(rec, outputs, p)
-        emulated.observe(rec, outputs, p)
+        parts = _parts(rec, by, own, running[0].parents)
+        ranges.observe(rec, outputs, parts)
+        emulated.observe(rec, outputs, p, parts)
 
-    with state.learning():
-        run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=observe,
-                           ready=emulated.attach)
+    with state.learning(), upcasts, emulated.before():
+        run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=observe, ready=ready)
     after = state.save()
     if run.t_64.numel() != 1:
         raise ShadowOptionError(f"audit: the target has {run.t_64.numel()} elements: the audit measures the relative "
                                 "change of one number (the loss); pass target= a one-element tensor")
     truth = float(run.t_64[0])
     scale = abs(truth) if truth else 1.0
+    sums: dict[tuple[str, str], float] = {}  # (precision, part) -> the change of the target
+    for index, c in run.contributions.items():
+        for channel, v in zip(emulated.channels(index), c):
+            sums[channel] = sums.get(channel, 0.0) + v * run.factor
+    # where a part's world reached the target: its value there, the part's own run (else the first-order sum)
+    sums.update({w: v - truth for w, v in emulated.in_worlds(run.values[0]).items()})
+    at = emulated.computed_in(run.values[0])
     runs = 1
     rows: list[AuditRow] = []
     try:
-        for i, name in enumerate(precisions):
-            sums: dict[str, float] = {}
-            for index, c in run.contributions.items():
-                k = key(run.records[index])
-                sums[k] = sums.get(k, 0.0) + c[i] * run.factor
-            applies = {key(run.records[index]) for index in emulated.claimed[name] if index in run.records}
-            found = {k: (abs(v) / scale if math.isfinite(v) else math.inf) for k, v in sums.items()}
+        for name in precisions:
+            applies = {part for index in emulated.claimed[name] if index in run.records
+                       for part in emulated.parts[index]}
+            found = {k: (abs(v) / scale if math.isfinite(v) else math.inf) for (p, k), v in sums.items() if p == name}
             parts = sorted(set(found) | set(ranges.parts))
             fmt, scaled = PRECISIONS[name].format, PRECISIONS[name].scaled
             suspects = sorted((k for k in parts if k in applies), key=lambda k: (-found.get(k, 0.0), k))[:verify]
             for k in parts:
                 r = ranges.parts.get(k)
-                verified = _verified(step, target, state, PRECISIONS[name], by, k, truth) if k in suspects else None
+                verified = _verified(step, target, state, PRECISIONS[name], by, tree, k, truth) \
+                    if k in suspects else None
                 runs += k in suspects
                 rows.append(AuditRow(k, name, found.get(k, 0.0), verified, r is not None and r.overflow(fmt, scaled),
                                      r.underflow(fmt) if r is not None else 0.0, k in applies))
     finally:
         state.restore(after)
-    return AuditReport(by, precisions, rows, truth, runs, tuple(sorted(emulated.dropped)))
+    return AuditReport(by, precisions, rows, truth, runs, tuple(sorted(emulated.dropped)), own,
+                       at[-1] if at else None)
 
 
-def _verified(step: Callable[[], Any], target: Any, state: StepState, precision: Precision, by: str, part: str,
-              truth: float) -> float:
+def _parts(rec: Record, by: str, own: bool, parents: set[str]) -> tuple[str, ...]:
+    """The parts a call belongs to, outermost first: its op class; its module (``own``); or every module whose
+    forward (or backward) is running ("" outside any)."""
+    if by == "op":
+        return (rec.op,)
+    if own or rec.phase is Phase.OPTIMIZER:
+        return (rec.module,)
+    return tuple(sorted((m for m in parents if m != "Global"), key=lambda m: (m.count("."), m))) or ("",)
+
+
+def _verified(step: Callable[[], Any], target: Any, state: StepState, precision: Precision, by: str, tree: bool,
+              part: str, truth: float) -> float:
     """The step again with only ``part`` emulated, measured in a float64 world where only the part's calls make
     their (emulated) error: |T_world - T_64| / |T_64|."""
     state.restore(state.start)
-    scope = dict(module=part, innermost=True) if by == "module" else dict(op=part)
     sm = ShadowMode(spot_checks="off", budgets=False, drift=False, max_records=0)
-    sm._engine.world = (lambda op, m, ph, s: "device" if _key_of(by, op, m, s) == part and ph is not Phase.OPTIMIZER
-                        else None)
-    with Scoped(precision.mode(), **scope), sm:
+    if by == "op":
+        scope = dict(op=part)
+        inside = lambda op, module: op == part  # noqa: E731
+    elif tree and part:
+        scope = dict(module=part)
+        inside = lambda op, module: part in sm._engine.attr.parents  # noqa: E731
+    else:  # a module's own calls, or those outside any module
+        scope = dict(module=part, innermost=True)
+        inside = lambda op, module: module == part  # noqa: E731
+    sm._engine.world = lambda op, m, ph, s: "device" if ph is not Phase.OPTIMIZER and inside(op, m) else None
+    upcasts = Upcasts()
+    with upcasts, Scoped(precision.mode(upcasts), **scope), sm:
         values = _targets(step(), target)
         t_world = _read(values, sm)[1]
     with _own():

@@ -1,5 +1,7 @@
 """Range risks of narrow formats: per part, the largest activation and gradient against the format's largest value,
-and the share of values below its smallest normal (subnormal there, or flushed to zero)."""
+and the share of values below its smallest normal (subnormal there, or flushed to zero). The largest finite values
+of a result's dtype are masks (``finfo(dtype).min`` added to scores), not values: a model run in a narrower format
+builds its own (``shadow.precision.held.round_stored``)."""
 
 from __future__ import annotations
 
@@ -32,34 +34,35 @@ class Range:
 
 
 class Ranges:
-    """An observer of the engine (``Engine.observe``): folds each judged call's floating results into its part's
-    Range. ``formats``: name -> (Format, per-tensor scaled)."""
+    """An observer of the engine (``Engine.observe``): folds each judged call's floating results into the Range of
+    each of its parts. ``formats``: name -> (Format, per-tensor scaled)."""
 
-    def __init__(self, key, formats: dict[str, tuple[Format, bool]]) -> None:
-        self._key = key
+    def __init__(self, formats: dict[str, tuple[Format, bool]]) -> None:
         self._formats = formats
         self.parts: dict[str, Range] = {}
 
-    def observe(self, rec: Record, outputs: list, p: object = None) -> None:
+    def observe(self, rec: Record, outputs: list, parts: tuple[str, ...]) -> None:
         if rec.phase is Phase.OPTIMIZER:
             return
-        r = self.parts.setdefault(self._key(rec), Range())
+        ranges = [self.parts.setdefault(part, Range()) for part in parts]
         with _no_dispatch():
             for o in outputs:
                 d = o.device
                 if not isinstance(d, torch.Tensor) or not d.is_floating_point() or not d.numel():
                     continue
                 a = d.detach().abs().to("cpu", torch.float64)
-                a = a[torch.isfinite(a) & (a > 0)]
+                a = a[torch.isfinite(a) & (a > 0) & (a != torch.finfo(d.dtype).max)]
                 if not a.numel():
                     continue
                 amax = float(a.max())
-                if rec.phase is Phase.BACKWARD:
-                    r.max_gradient = max(r.max_gradient, amax)
-                else:
-                    r.max_activation = max(r.max_activation, amax)
-                r.values += a.numel()
-                for name, (fmt, scaled) in self._formats.items():
-                    # scaled formats map the tensor's largest magnitude to the format's: tiny relative to it
-                    below = fmt.tiny * (amax / fmt.max if scaled else 1.0)
-                    r.tiny[name] = r.tiny.get(name, 0) + int((a < below).sum())
+                # scaled formats map the tensor's largest magnitude to the format's: tiny relative to it
+                tiny = {name: int((a < fmt.tiny * (amax / fmt.max if scaled else 1.0)).sum())
+                        for name, (fmt, scaled) in self._formats.items()}
+                for r in ranges:
+                    if rec.phase is Phase.BACKWARD:
+                        r.max_gradient = max(r.max_gradient, amax)
+                    else:
+                        r.max_activation = max(r.max_activation, amax)
+                    r.values += a.numel()
+                    for name, n in tiny.items():
+                        r.tiny[name] = r.tiny.get(name, 0) + n
