@@ -13,9 +13,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..attribution.tracking import Attribution
 from .. import _compat
-from ..engine import Engine
+from ..engine import Engine, EngineHooks
 from ..errors import ShadowWarning
 from ..options import Options
+from ..plan import OpPlan
 from ..report import Report
 from ..trajectory import Trajectory
 
@@ -54,6 +55,25 @@ class _ShadowDispatch(TorchDispatchMode):
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
 
 
+class _Scope:
+    """ShadowMode(scope=[module, ...]) as the engine asks it (``EngineHooks.shadows``): a call of a scoped module
+    (its forward or backward), or an optimizer call on one of its parameters."""
+
+    def __init__(self, modules: tuple[torch.nn.Module, ...], attribution: Attribution):
+        self.modules, self.attribution = modules, attribution
+
+    def __call__(self, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
+        attribution = self.attribution
+        names = attribution.module_names(self.modules)
+        if not names:
+            return False
+        if attribution.stepping:
+            name = attribution.parameter_of([t for _, t in plan.tensors(args, kwargs)])
+            return any(name == n or name.startswith(n + ".") for n in names)
+        parents = attribution.parents
+        return any(n in parents for n in names)
+
+
 _PLAIN = torch.Tensor.__torch_dispatch__
 _PLAIN_TYPES: set[tuple[type, ...]] = set()  # the types tuples seen with no subclass dispatch of their own
 
@@ -86,11 +106,15 @@ class ShadowMode:
         scope: Any = None,  # [module, ...]: shadow only their calls (forward, backward, optimizer); adopt the rest
         max_shadow_bytes: int | None = None,  # fail (ShadowMemoryError) before shadows would exceed this
         shadow_device: Any = "auto",  # where shadows live and replay: "auto", "cpu", or a float64 device ("cuda")
+        hooks: EngineHooks | None = None,  # how shadow.attribute and shadow.audit take part in each op call
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
                                spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu,
                                callsites=callsites, scope=scope, max_shadow_bytes=max_shadow_bytes,
                                shadow_device=shadow_device)
+        if hooks is not None and not isinstance(hooks, EngineHooks):
+            raise TypeError(f"ShadowMode(hooks={hooks!r}): expected a shadow.engine.EngineHooks")
+        self._hooks = hooks if hooks is not None else EngineHooks()
         self._active = 0
         self.reset()
 
@@ -101,9 +125,11 @@ class ShadowMode:
         self.report = Report(max_records=self.options.max_records, meta=self._meta())
         self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
         self._adopting: dict = {}  # compiled modules whose outputs are adopted (torch 2.4) -> their hook
-        self._engine = Engine(self.options, self.report, self._attr)
-        self._engine.trajectory = Trajectory(self._engine, self._attr.parameter_names)
-        self.report.trajectory = self._engine.trajectory.steps
+        self._trajectory = Trajectory(self._attr.parameter_names)
+        self.report.trajectory = self._trajectory.steps
+        own = EngineHooks(recorded=self._trajectory.seen,
+                          shadows=_Scope(self.options.scope, self._attr) if self.options.scope is not None else None)
+        self._engine = Engine(self.options, self.report, self._attr, own.merged(self._hooks))
         self._mode = None
 
     def _compiled_module(self, module: str, mod: torch.nn.Module) -> None:
@@ -149,7 +175,8 @@ class ShadowMode:
         if dist.is_available() and dist.is_initialized():  # per-rank reports say whose they are (merge_reports)
             self.report.meta.update(rank=dist.get_rank(), world_size=dist.get_world_size())
         self._attr.__enter__()
-        self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._engine.trajectory.stepped(opt))
+        self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._trajectory.stepped(opt,
+                                                                                                      self._engine))
         self._mode = _ShadowDispatch(self._engine)
         self._mode.__enter__()
         self._active = 1

@@ -7,7 +7,7 @@ the inputs it would have if its part alone ran in that precision (``onepass``), 
 float64 adjoint of the target (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The
 ``verify`` most sensitive parts per precision are then run again one at a time, only that part emulated on the
 device (``shadow.modes.Scoped``), and measured in a float64 world where only that part's calls carry their error
-(``Engine._rewrite_shadow``). Range risks come from the same first run (``shadow.precision.ranges``).
+(``shadow.engine.commit.in_world``). Range risks come from the same first run (``shadow.precision.ranges``).
 ``AuditReport.plan(tolerance)`` picks a precision per part (``shadow.precision.plan``).
 """
 
@@ -21,6 +21,7 @@ import torch
 
 from ..attribution.share import adjoint_pass, _key_of, _own, _read, _targets
 from ..attribution.state import StepState
+from ..engine import EngineHooks
 from ..errors import ShadowOptionError
 from ..modes.emulate import BF16Mode, FP8Mode, FP16Mode, TF32Mode
 from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format
@@ -204,9 +205,8 @@ def _verified(step: Callable[[], Any], target: Any, state: StepState, precision:
     their (emulated) error: |T_world - T_64| / |T_64|."""
     state.restore(state.start)
     scope = dict(module=part, innermost=True) if by == "module" else dict(op=part)
-    sm = ShadowMode(spot_checks="off", budgets=False, drift=False, max_records=0)
-    sm._engine.world = (lambda op, m, ph, s: "device" if _key_of(by, op, m, s) == part and ph is not Phase.OPTIMIZER
-                        else None)
+    world = (lambda op, m, ph, s: "device" if _key_of(by, op, m, s) == part and ph is not Phase.OPTIMIZER else None)
+    sm = ShadowMode(spot_checks="off", budgets=False, drift=False, max_records=0, hooks=EngineHooks(world=world))
     with Scoped(precision.mode(), **scope), sm:
         values = _targets(step(), target)
         t_world = _read(values, sm)[1]

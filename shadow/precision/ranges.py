@@ -32,7 +32,7 @@ class Range:
 
 
 class Ranges:
-    """An observer of the engine (``Engine.observe``): folds each judged call's floating results into its part's
+    """An observer of the engine (``EngineHooks.observe``): folds each judged call's floating results into its part's
     Range. ``formats``: name -> (Format, per-tensor scaled)."""
 
     def __init__(self, key, formats: dict[str, tuple[Format, bool]]) -> None:

@@ -1,0 +1,97 @@
+"""A call's outputs to compare, read once after its replays (``Outputs``), by one of two builders of the same
+values: ``read_outputs`` for every call, and ``direct_outputs`` for the calls of an op that may take the direct
+path (``takes_direct_path``), which reads them without walking every kind of output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..mirror import SHADOW_DTYPES
+from ..plan import ArgType, OpPlan, flat_returns
+from ..replay import DEFINED, defined_regions, view_rule
+from .values import Output, Outputs, Prepared, Replayed
+
+
+def takes_direct_path(plan: OpPlan, chain: tuple) -> bool:
+    """Whether an op's calls may have their outputs read by ``direct_outputs``, decided once per overload: it reads
+    single tensors (no lists), is replayed rather than viewed, defines every element of its outputs, and either
+    writes no argument and returns fresh tensors only (no views, lists or numbers), or writes one argument in
+    place, declared (its version moves), and returns it (``mul_``, ``addcdiv_``: not out= ops)."""
+    if not plan.returns or chain[0] is view_rule or DEFINED.chain(plan.func) \
+            or any(a.type is not ArgType.TENSOR for a in plan.tensor_args) or any(r.tensors for r in plan.returns):
+        return False
+    if plan.writes:
+        return len(plan.writes) == 1 and not plan.out_args and plan.declared_writes == {plan.writes[0].index} \
+            and len(plan.returns) == 1 and plan.returns[0].aliases_write
+    return all(r.is_tensor and not r.aliases_read and not r.aliases_write for r in plan.returns)
+
+
+def direct_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs | None:
+    """``read_outputs``' answer for a call of an op that takes the direct path, where every output is a floating
+    strided tensor whose shadow the replay reproduced in shape and dtype (``Outputs.plain``); None for any other
+    call."""
+    plan = p.plan
+    if plan.writes:  # in place on one argument: it is the output
+        spec = plan.writes[0]
+        devices, shadows = (spec.get(args, kwargs),), (p.shadow.get(spec),)
+        locals_ = (p.local.get(spec) if p.local is not None else None,)
+    elif len(plan.returns) == 1:
+        devices, shadows, locals_ = (out,), (replayed.shadow,), (replayed.local,)
+    else:
+        devices, shadows = out, replayed.shadow
+        locals_ = replayed.local if replayed.local is not None else (None,) * len(out)
+    for d, s in zip(devices, shadows):
+        if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor) or d.layout != torch.strided \
+                or d.is_nested or s.dtype != SHADOW_DTYPES.get(d.dtype) or s.shape != d.shape or d._is_zerotensor():
+            return None
+    written = bool(plan.writes)
+    items = tuple(Output(d, s, lo, written, slot) for slot, (d, s, lo) in enumerate(zip(devices, shadows, locals_)))
+    return Outputs(items, len(items), None, items[0].device.dtype, None, True)
+
+
+def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs:
+    """Written arguments (in-place, out=), then fresh returns, then an .item()-like number, with their slots:
+    an output's position among the op's flattened returns (a written argument: the return aliasing it), or
+    among its written arguments where the op returns nothing."""
+    plan = p.plan
+    returned = flat_returns(plan, out)
+    has_returns = any(isinstance(t, torch.Tensor) for _, t in returned)
+    # a written argument's slot is the return aliasing it: only ops that write look it up
+    slot_of_return = {id(t): i for i, (_, t) in enumerate(returned) if isinstance(t, torch.Tensor)} \
+        if plan.writes and has_returns else {}
+    items: list[Output] = []
+    written = 0  # written tensors so far: the slot of the next where the op returns nothing
+    for spec in plan.writes:
+        device = spec.get(args, kwargs)
+        if device is None:
+            continue
+        # the local replay ran where local args exist (replayed.local is None too for in-place ops returning nothing)
+        shadow, local = p.shadow.get(spec), (p.local.get(spec) if p.local is not None else None)
+        if isinstance(device, torch.Tensor):
+            device, shadow, local = [device], [shadow], [local]
+        elif local is None:
+            local = [None] * len(device)
+        for d, s, lo in zip(device, shadow, local):
+            if isinstance(d, torch.Tensor):
+                items.append(Output(d, s, lo, True, slot_of_return.get(id(d)) if has_returns else written))
+                written += 1
+    item = None
+    if plan.fresh_returns:
+        shadows = flat_returns(plan, replayed.shadow)
+        locals_ = flat_returns(plan, replayed.local) if p.local is not None else [(None, None)] * len(returned)
+        for slot, ((spec, d), (_, s), (_, lo)) in enumerate(zip(returned, shadows, locals_)):
+            if spec.aliases_write or spec.aliases_read:
+                continue
+            if isinstance(d, torch.Tensor):
+                items.append(Output(d, s, lo, False, slot))
+            elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):  # .item(), equal
+                item = (d, s)
+                items.append(Output(d, s, lo, False, None))
+    dtype = next((o.device.dtype for o in items if isinstance(o.device, torch.Tensor)
+                  and (o.device.is_floating_point() or o.device.is_complex())), None)
+    if dtype is None:
+        dtype = p.inputs[0].dtype if p.inputs else torch.float64
+    return Outputs(tuple(items), len(returned) if has_returns else written, item, dtype,
+                   defined_regions(plan, args, kwargs, out), False)
