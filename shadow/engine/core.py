@@ -29,7 +29,8 @@ from .prepare import NoValues, entry, prepare, see
 from .record import record
 from .values import Prepared
 
-_COPIES_FLOOR = 8 << 20  # bytes of device values read over that may be kept however few the shadows' (shadow.transfer)
+# bytes of device values read over that may be kept however few the shadows' (shadow.transfer)
+_COPIES_FLOOR = 8 << 20
 # Shadow's own work must reach no dispatch mode (none below sees it, the engine records none of its ops). It
 # records no autograd graph either: every tensor it makes is a detached copy (mirror.upcast; copying a lazy
 # module's uninitialized parameter with autograd on created its gradient accumulator with the wrong shape).
@@ -117,7 +118,7 @@ class Engine:
         that cost it its preparation (recorded after the device op; only ``ShadowMemoryError``, the limit the user
         asked for, is raised, before the op runs)."""
         plan = route.plan
-        if self.deferred and self.deferred.before(plan, args, kwargs):
+        if self.deferred.pending and self.deferred.before(plan, args, kwargs):
             return Skip.COMPLETING
         if self.hooks.shadows is not None and not self.hooks.shadows(plan, args, kwargs):
             return Skip.OUTSIDE
@@ -180,7 +181,7 @@ class Engine:
     def shadow_view(self, t: torch.Tensor) -> torch.Tensor:
         """t's shadow as the mirror holds it (a view into its storage's shadow, where the shadows live): to read
         only, with dispatch disabled, before the next op."""
-        if self.deferred:
+        if self.deferred.pending:
             self.deferred.settle([t])
         with _no_dispatch():
             if self.mirror.shadow_dtype(t.dtype) is None:

@@ -42,9 +42,6 @@ class Deferrals:
         self.engine = engine
         self.pending: list[Pending] = []
 
-    def __bool__(self) -> bool:
-        return bool(self.pending)
-
     def add(self, p: Prepared, args: Any, kwargs: dict, out: Any, kind: Kind, result: Deferred, at: tuple) -> None:
         plan = p.plan
         written = [t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)]
@@ -96,7 +93,8 @@ class Deferrals:
             return ()
         dst, src = args[0], args[1]
         e = self.engine.mirror.known(src) if isinstance(src, torch.Tensor) and src.layout == torch.strided else None
-        if not isinstance(dst, torch.Tensor) or not isinstance(src, torch.Tensor) or (e is not None and not e.adopted):
+        if not isinstance(dst, torch.Tensor) or not isinstance(src, torch.Tensor) \
+                or (e is not None and not e.adopted):
             return ()
         into = storages([dst])
         return tuple(d for d in self.pending if not into.isdisjoint(d.storages)

@@ -33,22 +33,29 @@ def direct_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: R
     strided tensor whose shadow the replay reproduced in shape and dtype (``Outputs.plain``); None for any other
     call."""
     plan = p.plan
-    if plan.writes:  # in place on one argument: it is the output
-        spec = plan.writes[0]
-        devices, shadows = (spec.get(args, kwargs),), (p.shadow.get(spec),)
-        locals_ = (p.local.get(spec) if p.local is not None else None,)
-    elif len(plan.returns) == 1:
-        devices, shadows, locals_ = (out,), (replayed.shadow,), (replayed.local,)
-    else:
-        devices, shadows = out, replayed.shadow
-        locals_ = replayed.local if replayed.local is not None else (None,) * len(out)
-    for d, s in zip(devices, shadows):
-        if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor) or d.layout != torch.strided \
-                or d.is_nested or s.dtype != SHADOW_DTYPES.get(d.dtype) or s.shape != d.shape or d._is_zerotensor():
+    if len(plan.returns) == 1:  # one output: a fresh return, or the argument written in place
+        if plan.writes:
+            spec = plan.writes[0]
+            d, s = spec.get(args, kwargs), p.shadow.get(spec)
+            local = p.local.get(spec) if p.local is not None else None
+        else:
+            d, s, local = out, replayed.shadow, replayed.local
+        if not _plain(d, s):
             return None
-    written = bool(plan.writes)
-    items = tuple(Output(d, s, lo, written, slot) for slot, (d, s, lo) in enumerate(zip(devices, shadows, locals_)))
+        return Outputs((Output(d, s, local, bool(plan.writes), 0),), 1, None, d.dtype, None, True)
+    shadows = replayed.shadow
+    locals_ = replayed.local if replayed.local is not None else (None,) * len(out)
+    if not all(_plain(d, s) for d, s in zip(out, shadows)):
+        return None
+    items = tuple(Output(d, s, local, False, slot) for slot, (d, s, local) in enumerate(zip(out, shadows, locals_)))
     return Outputs(items, len(items), None, items[0].device.dtype, None, True)
+
+
+def _plain(d: Any, s: Any) -> bool:
+    """Whether device output ``d`` is a floating strided tensor whose shadow ``s`` has its shape and shadow dtype."""
+    return isinstance(d, torch.Tensor) and isinstance(s, torch.Tensor) and d.layout == torch.strided \
+        and not d.is_nested and s.dtype == SHADOW_DTYPES.get(d.dtype) and s.shape == d.shape \
+        and not d._is_zerotensor()
 
 
 def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs:

@@ -84,7 +84,8 @@ class InputShadows:
         self.drift = 0.0
         self.tensors: list[torch.Tensor] = []  # the floating device tensors read
         self.storages: set[int] = set()  # their shadows' storages
-        self.read: dict[int, torch.Tensor] = {}  # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
+        # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
+        self.read: dict[int, torch.Tensor] = {}
 
     def __call__(self, t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
         if spec.write:
