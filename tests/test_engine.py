@@ -872,3 +872,21 @@ def test_direct_path_concludes_as_the_general_path(dtype, options, monkeypatch):
     assert torch.equal(direct.shadow_of(loss_d), general.shadow_of(loss_g))
     for a, b in zip(params_d, params_g):
         assert torch.equal(direct.shadow_of(a), general.shadow_of(b))
+
+
+def test_engine_hooks_see_each_judged_call_and_are_checked():
+    from shadow.engine import EngineHooks
+
+    seen = []
+    x = torch.randn(3)
+    with ShadowMode(hooks=EngineHooks(observe=lambda rec, outputs, p: seen.append((rec.op, len(outputs))))) as sm:
+        y = x * 3.0
+        torch.randn(2)  # random: adopted, not judged
+    assert seen == [("aten.mul.Tensor", 1)] and len(sm.report.records) == 2
+    assert torch.equal(sm.shadow_of(y), x.double() * 3.0)
+    with pytest.raises(TypeError, match="expected a shadow.engine.EngineHooks"):
+        ShadowMode(hooks=lambda rec: None)
+    with pytest.raises(ValueError, match="ShadowMode's own"):
+        ShadowMode(hooks=EngineHooks(recorded=lambda rec, result: None))
+    with pytest.raises(ValueError, match="world given twice"):
+        EngineHooks(world=lambda *at: None).merged(EngineHooks(world=lambda *at: "exact"))

@@ -40,13 +40,17 @@ def judge(engine: Engine, p: Prepared, outputs: Outputs, out: Any, references: A
         check = spot_check(engine, p, out, references, outputs.dtype, budget)
         budget = check.budget
         spot = apply_corrections(engine, p.plan, references, check) if check.corrections else check.stats
-    budget = with_bounds(engine, p, budget)
+    if budget is not None:
+        budget = with_bounds(engine, p, budget)
     items = outputs.items
-    if outputs.plain:  # floating strided tensors with shadows of their shape and dtype: straight to the figures
+    if outputs.plain and len(items) == 1:  # most calls: one floating tensor, its shadow of its shape and dtype
+        o = items[0]
+        device = o.device if o.device.is_cpu and engine.mirror.place.cpu_home else near(engine, o.device, items)
+        bound, ulps = _bound(budget, 0) if budget is not None else (None, None)
+        compared = (figures(engine, o.shadow, device, o.shadow, o.local, o.device.dtype, bound, ulps),)
+    elif outputs.plain:  # floating strided tensors with shadows of their shape and dtype: straight to the figures
         compared = tuple(figures(engine, o.shadow, near(engine, o.device, items), o.shadow, o.local,
-                                 o.device.dtype, *_bound(budget, o.slot)) for o in items) if len(items) > 1 else \
-            (figures(engine, items[0].shadow, near(engine, items[0].device, items), items[0].shadow, items[0].local,
-                     items[0].device.dtype, *_bound(budget, 0)),)
+                                 o.device.dtype, *_bound(budget, o.slot)) for o in items)
     else:
         compared = tuple(_compare(engine, p, o, outputs, budget) for o in items)
     return verdict(engine, p, compared, budget, spot)

@@ -114,6 +114,9 @@ class ShadowMode:
                                shadow_device=shadow_device)
         if hooks is not None and not isinstance(hooks, EngineHooks):
             raise TypeError(f"ShadowMode(hooks={hooks!r}): expected a shadow.engine.EngineHooks")
+        if hooks is not None and (hooks.shadows is not None or hooks.recorded is not None):
+            raise ValueError("ShadowMode(hooks=...): its shadows and recorded hooks are ShadowMode's own (scope=, "
+                             "the trajectory); give world or observe only")
         self._hooks = hooks if hooks is not None else EngineHooks()
         self._active = 0
         self.reset()
