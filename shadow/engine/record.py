@@ -30,15 +30,13 @@ def record(engine: Engine, plan: OpPlan, kind: Kind, args: tuple, kwargs: dict, 
         result = first_tensor(plan, args, kwargs, out)
     dtype, shape = ("", ()) if result is None else \
         (dtype_name(result.dtype), () if result.is_nested else tuple(result.shape))  # nested: no one shape
-    if verdict is None:
-        rec = Record(index=engine.index, op=plan.name, module=module, phase=phase, kind=kind, item=item,
-                     reason=reason, cpu_fallback=fallback, cpu=cpu, dtype=dtype, shape=shape, callsite=site)
-    else:
-        rec = Record(index=engine.index, op=plan.name, module=module, phase=phase, kind=kind, local=verdict.local,
-                     drift=verdict.drift, flips=verdict.flips, local_flips=verdict.local_flips,
-                     shape_mismatch=verdict.mismatch, item=item, reason=reason, spot=verdict.spot,
-                     budget=verdict.budget, cpu_fallback=fallback, cpu=cpu, dtype=dtype, shape=shape,
-                     inputs_nonfinite=nonfinite_in, skipped=verdict.skipped, callsite=site, inputs_drift=inputs_drift)
+    rec = Record(index=engine.index, op=plan.name, module=module, phase=phase, kind=kind, item=item, reason=reason,
+                 cpu_fallback=fallback, cpu=cpu, dtype=dtype, shape=shape, callsite=site,
+                 inputs_nonfinite=nonfinite_in, inputs_drift=inputs_drift)
+    if verdict is not None:  # its figures, by name: a call of more than 15 keywords would build a dict and unpack it
+        rec.local, rec.drift, rec.budget, rec.spot = verdict.local, verdict.drift, verdict.budget, verdict.spot
+        rec.flips, rec.local_flips, rec.shape_mismatch, rec.skipped = \
+            verdict.flips, verdict.local_flips, verdict.mismatch, verdict.skipped
     engine.index += 1
     engine.report.add(rec)
     recorded = engine.hooks.recorded
