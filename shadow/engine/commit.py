@@ -29,10 +29,10 @@ def commit(engine: Engine, p: Prepared, device: Any, written: bool, c: Compared)
     if written:
         mirror.commit_write(device, c.keep, c.exact, c.nonfinite, drift)
     else:
-        e = mirror.assign(device, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
-                          nonfinite=c.nonfinite, drift=drift)
+        entry = mirror.assign(device, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
+                              nonfinite=c.nonfinite, drift=drift)
         if SHADOW_DTYPES.get(device.dtype) is not None:
-            mirror.track(device, e)
+            mirror.track(device, entry)
 
 
 def in_world(engine: Engine, how: str, outputs: Outputs, compared: tuple[Compared, ...]) -> tuple[Compared, ...]:
@@ -45,15 +45,16 @@ def in_world(engine: Engine, how: str, outputs: Outputs, compared: tuple[Compare
     (the replay's own outputs) take the error; the device's tensors are never touched."""
     rewritten = []
     for o, c in zip(outputs.items, compared):
-        d, ref, keep = o.device, o.reference, c.keep
-        if not isinstance(d, torch.Tensor) or not isinstance(ref, torch.Tensor) or keep is None or c.mismatch \
-                or not d.is_floating_point() or ref.shape != d.shape or keep.shape != d.shape:
+        device, reference, keep = o.device, o.reference, c.keep
+        if not isinstance(device, torch.Tensor) or not isinstance(reference, torch.Tensor) or keep is None \
+                or c.mismatch or not device.is_floating_point() or reference.shape != device.shape \
+                or keep.shape != device.shape:
             rewritten.append(c)
             continue
-        # the error first: ref may be keep itself
-        y = engine.mirror.upcast(d)
-        error = y if how == "device" else correctly_rounded(y, ref, d.dtype)
-        keep.add_(error.sub_(ref))
+        # the error first: the reference may be the shadow to keep itself
+        upcast = engine.mirror.upcast(device)
+        error = upcast if how == "device" else correctly_rounded(upcast, reference, device.dtype)
+        keep.add_(error.sub_(reference))
         rewritten.append(c._replace(exact=False))
     return tuple(rewritten)
 

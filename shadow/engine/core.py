@@ -25,7 +25,7 @@ from .conclude import finish, internal_error
 from .deferred import Deferrals
 from .hooks import EngineHooks
 from .outputs import takes_direct_path
-from .prepare import NoValues, entry, prepare, see
+from .prepare import NoValues, entry_of, prepare, see
 from .record import record
 from .values import Prepared
 
@@ -145,7 +145,7 @@ class Engine:
             elif before is Skip.OUTSIDE:
                 resync_written(self, plan, args, kwargs)
             elif before is Skip.COMPLETING:  # the backend wrote a deferred call's output: a write shadow saw
-                self.mirror.note_write(entry(self, plan, args[0]))
+                self.mirror.note_write(entry_of(self, plan, args[0]))
             elif before is Skip.META:
                 record(self, plan, Kind.META, args, kwargs, out)
             else:  # preparing failed

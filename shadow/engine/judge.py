@@ -184,23 +184,24 @@ def cpu_error(p: Prepared, outputs: Outputs) -> ErrorStats | None:
     """compare_cpu: the op's CPU kernel in the device dtype, on the device's inputs, against the same float64
     reference as the local error (the verdict msprobe and dynamo's same(fp64_ref) use). Random ops never get
     here: the CPU kernel would draw from the CPU generator."""
-    plan, a = p.plan, p.cpu
+    plan, inputs = p.plan, p.cpu
     try:
-        out = plan.func(*a.args, **a.kwargs)
+        out = plan.func(*inputs.args, **inputs.kwargs)
     except Exception:  # no CPU kernel for this dtype (a device-only kernel): no comparison
         return None
-    flat = [t for _, t in flat_returns(plan, out)]
-    if not any(isinstance(t, torch.Tensor) for t in flat):  # in-place ops that return nothing
-        flat = [t for _, t in plan.tensors(a.args, a.kwargs, plan.writes)]
+    results = [t for _, t in flat_returns(plan, out)]
+    if not any(isinstance(t, torch.Tensor) for t in results):  # in-place ops that return nothing
+        results = [t for _, t in plan.tensors(inputs.args, inputs.kwargs, plan.writes)]
     stats = []
     for o in outputs.items:
-        d = o.device
-        if o.slot is None or o.slot >= len(flat) or not isinstance(d, torch.Tensor) \
-                or SHADOW_DTYPES.get(d.dtype) is None:
+        device = o.device
+        if o.slot is None or o.slot >= len(results) or not isinstance(device, torch.Tensor) \
+                or SHADOW_DTYPES.get(device.dtype) is None:
             continue
-        ref, c = o.reference, flat[o.slot]
-        if isinstance(c, torch.Tensor) and isinstance(ref, torch.Tensor) and c.shape == ref.shape:
-            stats.append(compare(c, ref, d.dtype))
+        reference, result = o.reference, results[o.slot]
+        if isinstance(result, torch.Tensor) and isinstance(reference, torch.Tensor) \
+                and result.shape == reference.shape:
+            stats.append(compare(result, reference, device.dtype))
     return merged(stats)
 
 

@@ -36,26 +36,27 @@ def direct_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: R
     if len(plan.returns) == 1:  # one output: a fresh return, or the argument written in place
         if plan.writes:
             spec = plan.writes[0]
-            d, s = spec.get(args, kwargs), p.shadow.get(spec)
+            device, shadow = spec.get(args, kwargs), p.shadow.get(spec)
             local = p.local.get(spec) if p.local is not None else None
         else:
-            d, s, local = out, replayed.shadow, replayed.local
-        if not _plain(d, s):
+            device, shadow, local = out, replayed.shadow, replayed.local
+        if not _plain(device, shadow):
             return None
-        return Outputs((Output(d, s, local, bool(plan.writes), 0),), 1, None, d.dtype, None, True)
+        return Outputs((Output(device, shadow, local, bool(plan.writes), 0),), 1, None, device.dtype, None, True)
     shadows = replayed.shadow
     locals_ = replayed.local if replayed.local is not None else (None,) * len(out)
-    if not all(_plain(d, s) for d, s in zip(out, shadows)):
+    if not all(_plain(device, shadow) for device, shadow in zip(out, shadows)):
         return None
-    items = tuple(Output(d, s, local, False, slot) for slot, (d, s, local) in enumerate(zip(out, shadows, locals_)))
+    items = tuple(Output(device, shadow, local, False, slot)
+                  for slot, (device, shadow, local) in enumerate(zip(out, shadows, locals_)))
     return Outputs(items, len(items), None, items[0].device.dtype, None, True)
 
 
-def _plain(d: Any, s: Any) -> bool:
-    """Whether device output ``d`` is a floating strided tensor whose shadow ``s`` has its shape and shadow dtype."""
-    return isinstance(d, torch.Tensor) and isinstance(s, torch.Tensor) and d.layout == torch.strided \
-        and not d.is_nested and s.dtype == SHADOW_DTYPES.get(d.dtype) and s.shape == d.shape \
-        and not d._is_zerotensor()
+def _plain(device: Any, shadow: Any) -> bool:
+    """Whether ``device`` is a floating strided tensor whose ``shadow`` has its shape and shadow dtype."""
+    return isinstance(device, torch.Tensor) and isinstance(shadow, torch.Tensor) and device.layout == torch.strided \
+        and not device.is_nested and shadow.dtype == SHADOW_DTYPES.get(device.dtype) \
+        and shadow.shape == device.shape and not device._is_zerotensor()
 
 
 def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs:
@@ -80,22 +81,23 @@ def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Rep
             device, shadow, local = [device], [shadow], [local]
         elif local is None:
             local = [None] * len(device)
-        for d, s, lo in zip(device, shadow, local):
-            if isinstance(d, torch.Tensor):
-                items.append(Output(d, s, lo, True, slot_of_return.get(id(d)) if has_returns else written))
+        for one, its_shadow, its_local in zip(device, shadow, local):
+            if isinstance(one, torch.Tensor):
+                items.append(Output(one, its_shadow, its_local, True,
+                                    slot_of_return.get(id(one)) if has_returns else written))
                 written += 1
     item = None
     if plan.fresh_returns:
         shadows = flat_returns(plan, replayed.shadow)
         locals_ = flat_returns(plan, replayed.local) if p.local is not None else [(None, None)] * len(returned)
-        for slot, ((spec, d), (_, s), (_, lo)) in enumerate(zip(returned, shadows, locals_)):
+        for slot, ((spec, device), (_, shadow), (_, local)) in enumerate(zip(returned, shadows, locals_)):
             if spec.aliases_write or spec.aliases_read:
                 continue
-            if isinstance(d, torch.Tensor):
-                items.append(Output(d, s, lo, False, slot))
-            elif isinstance(d, (int, float, bool)) and isinstance(s, (int, float, bool)):  # .item(), equal
-                item = (d, s)
-                items.append(Output(d, s, lo, False, None))
+            if isinstance(device, torch.Tensor):
+                items.append(Output(device, shadow, local, False, slot))
+            elif isinstance(device, (int, float, bool)) and isinstance(shadow, (int, float, bool)):  # .item(), equal
+                item = (device, shadow)
+                items.append(Output(device, shadow, local, False, None))
     dtype = next((o.device.dtype for o in items if isinstance(o.device, torch.Tensor)
                   and (o.device.is_floating_point() or o.device.is_complex())), None)
     if dtype is None:

@@ -113,16 +113,16 @@ class InputShadows:
             return t.clone() if write else t
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
             return torch.zeros(t.shape, dtype=shadow_dtype, device=mirror.place(t.device))
-        e = entry(engine, self.plan, t)
-        self.nonfinite = self.nonfinite or e.nonfinite
-        if e.drift > self.drift:
-            self.drift = e.drift
+        entry = entry_of(engine, self.plan, t)
+        self.nonfinite = self.nonfinite or entry.nonfinite
+        if entry.drift > self.drift:
+            self.drift = entry.drift
         if declared:
-            mirror.note_write(e)
-        self.exact = self.exact and e.exact
+            mirror.note_write(entry)
+        self.exact = self.exact and entry.exact
         self.tensors.append(t)
-        self.storages.add(e.sptr)
-        return mirror.view(t, e)
+        self.storages.add(entry.sptr)
+        return mirror.view(t, entry)
 
 
 class Upcasts:
@@ -166,19 +166,19 @@ def pre_inputs(engine: Engine, plan: OpPlan, reference: Args, spot: bool) -> Arg
     return Args(*plan.map_tensors(reference.args, reference.kwargs, snapshot, skip))
 
 
-def entry(engine: Engine, plan: OpPlan, t: torch.Tensor) -> Any:
+def entry_of(engine: Engine, plan: OpPlan, t: torch.Tensor) -> Any:
     """The mirror entry of a floating input's storage, resynced (and reported) after an unobserved write."""
     mirror = engine.mirror
-    e = mirror.entry(t)
-    if mirror.unobserved_write(t, e):
+    entry = mirror.entry(t)
+    if mirror.unobserved_write(t, entry):
         mirror.resync(t)
         if engine.copies:
             engine.copies.drop([(None, t)])
-        e = mirror.entry(t)
+        entry = mirror.entry(t)
         engine.report.unobserved_write(Event(
             engine.index, plan.name, "unobserved_write",
             f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced"))
-    return e
+    return entry
 
 
 def see(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> None:
@@ -189,9 +189,9 @@ def see(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> None:
     for spec, t in plan.tensors(args, kwargs):
         if t.device.type != "meta" and mirror.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
                 and t.layout == torch.strided and not t.is_nested:
-            e = entry(engine, plan, t)
+            entry = entry_of(engine, plan, t)
             if spec.index in plan.declared_writes:
-                mirror.note_write(e)
+                mirror.note_write(entry)
 
 
 def remap_args(plan: OpPlan, place: Placement, a: Args) -> None:

@@ -31,8 +31,8 @@ class _ShadowDispatch(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # False: torch (2.6 on) does not wrap __torch_dispatch__ in torch._disable_dynamo, whose wrapper costs
-        # 0.45 us a call; __torch_dispatch__ does its one job below (torch 2.4.1 asks nothing, wraps nothing)
+        # False: torch (2.6 on) does not wrap __torch_dispatch__ in torch._disable_dynamo; __torch_dispatch__ does
+        # its one job below (torch 2.4.1 asks nothing, wraps nothing)
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
