@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,8 +31,9 @@ def record(engine: Engine, plan: OpPlan, kind: Kind, args: tuple, kwargs: dict, 
         result = first_tensor(plan, args, kwargs, out)
     dtype, shape = ("", ()) if result is None else \
         (dtype_name(result.dtype), () if result.is_nested else tuple(result.shape))  # nested: no one shape
-    rec = Record(index=engine.index, op=plan.name, module=module, phase=phase, kind=kind, item=item, reason=reason,
-                 cpu_fallback=fallback, cpu=cpu, dtype=dtype, shape=shape, callsite=site,
+    rec = _new_record()
+    _init_record(rec, index=engine.index, op=plan.name, module=module, phase=phase, kind=kind, item=item,
+                 reason=reason, cpu_fallback=fallback, cpu=cpu, dtype=dtype, shape=shape, callsite=site,
                  inputs_nonfinite=nonfinite_in, inputs_drift=inputs_drift)
     if verdict is not None:  # its figures, by name: a call of more than 15 keywords would build a dict and unpack it
         rec.local, rec.drift, rec.budget, rec.spot = verdict.local, verdict.drift, verdict.budget, verdict.spot
@@ -45,6 +47,9 @@ def record(engine: Engine, plan: OpPlan, kind: Kind, args: tuple, kwargs: dict, 
     return rec
 
 
+# Record's __init__ called as a function takes its keywords as they are; a class called with keywords packs them
+# into a dict for __init__ first
+_new_record, _init_record = functools.partial(object.__new__, Record), Record.__init__
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
