@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .core import Engine
 
 
-def commit(engine: Engine, p: Prepared, device: Any, written: bool, c: Compared) -> None:
+def commit(engine: Engine, prepared: Prepared, device: Any, written: bool, c: Compared) -> None:
     """Keep the shadow of one output ``device``: a ``written`` argument's (in-place, out=) or a fresh return's."""
     if c.keep is None:
         return
@@ -29,8 +29,8 @@ def commit(engine: Engine, p: Prepared, device: Any, written: bool, c: Compared)
     if written:
         mirror.commit_write(device, c.keep, c.exact, c.nonfinite, drift)
     else:
-        entry = mirror.assign(device, c.keep, c.exact, fresh=c.keep.untyped_storage()._cdata not in p.storages,
-                              nonfinite=c.nonfinite, drift=drift)
+        fresh = c.keep.untyped_storage()._cdata not in prepared.storages  # no input's shadow aliases it
+        entry = mirror.assign(device, c.keep, c.exact, fresh=fresh, nonfinite=c.nonfinite, drift=drift)
         if SHADOW_DTYPES.get(device.dtype) is not None:
             mirror.track(device, entry)
 

@@ -23,25 +23,26 @@ if TYPE_CHECKING:
     from .core import Engine
 
 
-def replay(engine: Engine, p: Prepared, out: Any) -> Replayed:
+def replay(engine: Engine, prepared: Prepared, out: Any) -> Replayed:
     """The op replayed on the shadow inputs, then, unless every input is exact or the call is random,
     uninitialized or deferred, on the device's own inputs upcast; ``Unsupported`` where it cannot be."""
-    plan = p.plan
-    kind, shadow = run_chain(p.chain, Replay(plan, p.shadow.args, p.shadow.kwargs, out, p.local, engine.scratch))
-    if p.local is None or isinstance(shadow, Deferred) or (shadow is None and kind in (Kind.RANDOM, Kind.ADOPTED)):
+    plan = prepared.plan
+    inputs, local = prepared.shadow, prepared.local
+    kind, shadow = run_chain(prepared.chain, Replay(plan, inputs.args, inputs.kwargs, out, local, engine.scratch))
+    if local is None or isinstance(shadow, Deferred) or (shadow is None and kind in (Kind.RANDOM, Kind.ADOPTED)):
         return Replayed(kind, shadow, None)
-    return Replayed(kind, shadow, run_chain(p.chain, Replay(plan, p.local.args, p.local.kwargs, out,
-                                                            scratch=engine.scratch))[1])
+    return Replayed(kind, shadow, run_chain(prepared.chain, Replay(plan, local.args, local.kwargs, out,
+                                                                   scratch=engine.scratch))[1])
 
 
-def finish(engine: Engine, p: Prepared, args: tuple, kwargs: dict, out: Any) -> None:
+def finish(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out: Any) -> None:
     """Everything after the device op of a prepared call."""
-    plan = p.plan
+    plan = prepared.plan
     try:
-        replayed = replay(engine, p, out)
+        replayed = replay(engine, prepared, out)
     except Unsupported as exc:
         adopt_all(engine, plan, args, kwargs, out)
-        record(engine, plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=p.inputs)
+        record(engine, plan, Kind.UNSUPPORTED, args, kwargs, out, reason=exc.reason, inputs=prepared.inputs)
         return
     kind, shadow = replayed.kind, replayed.shadow
     # random or uninitialized: the device's values are adopted (by kind: a replayed in-place op that returns
@@ -55,39 +56,41 @@ def finish(engine: Engine, p: Prepared, args: tuple, kwargs: dict, out: Any) -> 
             for _, t in flat_returns(plan, out):
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
                     engine.mirror.seen_empty(t)
-        record(engine, plan, kind, args, kwargs, out, inputs=p.inputs)
+        record(engine, plan, kind, args, kwargs, out, inputs=prepared.inputs)
         return
     if isinstance(shadow, Deferred):  # written asynchronously (collectives): judged once a later op touches them
         at = engine.attribution.where(plan.func, args, kwargs, out, engine.index)
-        engine.deferred.add(p._replace(cpu=None), args, kwargs, out, kind, shadow, at)  # the kernel is never rerun
+        # the CPU kernel is never rerun for it
+        engine.deferred.add(prepared._replace(cpu=None), args, kwargs, out, kind, shadow, at)
         return
-    outputs = direct_outputs(p, args, kwargs, out, replayed) if p.direct else None
-    conclude(engine, p, args, kwargs, out, replayed,
-             outputs if outputs is not None else read_outputs(p, args, kwargs, out, replayed))
+    outputs = direct_outputs(prepared, args, kwargs, out, replayed) if prepared.direct else None
+    conclude(engine, prepared, args, kwargs, out, replayed,
+             outputs if outputs is not None else read_outputs(prepared, args, kwargs, out, replayed))
 
 
-def conclude(engine: Engine, p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed,
+def conclude(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed,
              outputs: Outputs, at: tuple | None = None) -> None:
     """Judge, commit, record and observe a replayed call (``at``: where a deferred call was made)."""
-    plan, hooks = p.plan, engine.hooks
-    verdict = judge(engine, p, outputs, out, replayed.local if p.local is not None else replayed.shadow)
+    plan, hooks = prepared.plan, engine.hooks
+    verdict = judge(engine, prepared, outputs, out, replayed.local if prepared.local is not None else replayed.shadow)
     if at is None:
-        at = engine.attribution.where(plan.func, args, kwargs, out, engine.index, p.inputs)
+        at = engine.attribution.where(plan.func, args, kwargs, out, engine.index, prepared.inputs)
     compared = verdict.compared
     if hooks.world is not None and replayed.kind is not Kind.RANDOM:
         how = hooks.world(plan.name, *at)
         if how is not None:
             compared = in_world(engine, how, outputs, compared)
     for o, c in zip(outputs.items, compared):
-        commit(engine, p, o.device, o.written, c)
-    cpu = cpu_error(p, outputs) if p.cpu is not None and replayed.kind is not Kind.RANDOM else None
+        commit(engine, prepared, o.device, o.written, c)
+    cpu = cpu_error(prepared, outputs) if prepared.cpu is not None and replayed.kind is not Kind.RANDOM else None
     result = outputs.items[0].device if outputs.plain else \
         next((o.device for o in outputs.items if isinstance(o.device, torch.Tensor)), None)
     rec = record(engine, plan, replayed.kind, args, kwargs, out, verdict=verdict, item=outputs.item,
-                 inputs=p.inputs, cpu=cpu, result=result, nonfinite_in=p.nonfinite_in, inputs_drift=p.inputs_drift,
+                 inputs=prepared.inputs, cpu=cpu, result=result, nonfinite_in=prepared.nonfinite_in,
+                 inputs_drift=prepared.inputs_drift,
                  at=at)
     if hooks.observe is not None:
-        hooks.observe(rec, outputs.items, p)
+        hooks.observe(rec, outputs.items, prepared)
 
 
 def internal_error(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict, out: Any, exc: Exception) -> None:

@@ -42,10 +42,11 @@ class Deferrals:
         self.engine = engine
         self.pending: list[Pending] = []
 
-    def add(self, p: Prepared, args: Any, kwargs: dict, out: Any, kind: Kind, result: Deferred, at: tuple) -> None:
-        plan = p.plan
+    def add(self, prepared: Prepared, args: Any, kwargs: dict, out: Any, kind: Kind, result: Deferred, at: tuple
+            ) -> None:
+        plan = prepared.plan
         written = [t for _, t in plan.tensors(args, kwargs, plan.writes)] + [t for _, t in flat_returns(plan, out)]
-        self.pending.append(Pending(p, args, kwargs, out, kind, result, at, storages(written),
+        self.pending.append(Pending(prepared, args, kwargs, out, kind, result, at, storages(written),
                                     self.engine.mirror.adopted))
 
     def before(self, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
@@ -71,15 +72,15 @@ class Deferrals:
                 plan = d.prepared.plan
                 try:
                     engine.report.meta.update(result.meta)
-                    p = d.prepared._replace(local=Args(*result.local))
-                    outs = [t for _, t in plan.tensors(d.args, d.kwargs)]
-                    outs += [t for _, t in flat_returns(plan, d.out)]
-                    for t in outs:  # the backend wrote them since the call, outside any op (gloo on torch 2.4)
+                    prepared = d.prepared._replace(local=Args(*result.local))
+                    written = [t for _, t in plan.tensors(d.args, d.kwargs)]
+                    written += [t for _, t in flat_returns(plan, d.out)]
+                    for t in written:  # the backend wrote them since the call, outside any op (gloo on torch 2.4)
                         if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t._is_zerotensor():
                             engine.mirror.absorb(t)
                     replayed = Replayed(d.kind, result.shadow, result.local_out)
-                    conclude(engine, p, d.args, d.kwargs, d.out, replayed,
-                             read_outputs(p, d.args, d.kwargs, d.out, replayed), d.at)
+                    conclude(engine, prepared, d.args, d.kwargs, d.out, replayed,
+                             read_outputs(prepared, d.args, d.kwargs, d.out, replayed), d.at)
                 except Exception as exc:
                     internal_error(engine, plan, d.args, d.kwargs, d.out, exc)
 

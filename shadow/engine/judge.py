@@ -29,19 +29,19 @@ if TYPE_CHECKING:
 _INF = math.inf
 
 
-def judge(engine: Engine, p: Prepared, outputs: Outputs, out: Any, references: Any) -> Verdict:
+def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, references: Any) -> Verdict:
     """Every output compared with its shadow (drift) and its local reference (``references``: the replay's outputs
     the local error is measured against), held to the op's budget (``budget_used``: max |error| / bound, or
     max_ulp / ulps for budgets in ulps), with its effective bits, after the spot check of the reference, whose
     untrusted elements are corrected first."""
-    budget = budget_of_outputs(engine, p, outputs) if p.budget else None
+    budget = budget_of_outputs(engine, prepared, outputs) if prepared.budget else None
     spot = None
-    if p.spot:
-        check = spot_check(engine, p, out, references, outputs.dtype, budget)
+    if prepared.spot:
+        check = spot_check(engine, prepared, out, references, outputs.dtype, budget)
         budget = check.budget
-        spot = apply_corrections(engine, p.plan, references, check) if check.corrections else check.stats
+        spot = apply_corrections(engine, prepared.plan, references, check) if check.corrections else check.stats
     if budget is not None:
-        budget = with_bounds(engine, p, budget)
+        budget = with_bounds(engine, prepared, budget)
     items = outputs.items
     if outputs.plain and len(items) == 1:  # most calls: one floating tensor, its shadow of its shape and dtype
         o = items[0]
@@ -52,24 +52,24 @@ def judge(engine: Engine, p: Prepared, outputs: Outputs, out: Any, references: A
         compared = tuple(figures(engine, o.shadow, near(engine, o.device, items), o.shadow, o.local,
                                  o.device.dtype, *_bound(budget, o.slot)) for o in items)
     else:
-        compared = tuple(_compare(engine, p, o, outputs, budget) for o in items)
-    return verdict(engine, p, compared, budget, spot)
+        compared = tuple(_compare(engine, prepared, o, outputs, budget) for o in items)
+    return verdict(engine, prepared, compared, budget, spot)
 
 
-def _compare(engine: Engine, p: Prepared, o: Output, outputs: Outputs, budget: Budget | None) -> Compared:
+def _compare(engine: Engine, prepared: Prepared, o: Output, outputs: Outputs, budget: Budget | None) -> Compared:
     """One output's figures: a tensor's where the op defines its elements (``outputs.defined``: elsewhere the
     shadow keeps the device's values), a number's (.item(), equal: compared as a 0-d tensor, never kept)."""
     if isinstance(o.device, torch.Tensor):
         defined = outputs.defined[o.slot] if outputs.defined is not None and o.slot is not None \
             and o.slot < len(outputs.defined) else None
-        return _compare_tensor(engine, p, o, o.device.dtype, budget, defined, outputs.items)
-    dtype = next((t.dtype for t in p.inputs), torch.float64)
+        return _compare_tensor(engine, prepared, o, o.device.dtype, budget, defined, outputs.items)
+    dtype = next((t.dtype for t in prepared.inputs), torch.float64)
     local = None if o.local is None else _scalar(o.local, dtype)
     number = Output(_scalar(o.device, dtype), _scalar(o.shadow, dtype), local, False, None)
-    return _compare_tensor(engine, p, number, dtype, None, None, ())._replace(keep=None)
+    return _compare_tensor(engine, prepared, number, dtype, None, None, ())._replace(keep=None)
 
 
-def _compare_tensor(engine: Engine, p: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None,
+def _compare_tensor(engine: Engine, prepared: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None,
                     defined: torch.Tensor | None, outputs: tuple[Output, ...]) -> Compared:
     """The figures of tensor output ``o`` in the device ``dtype``; ``defined``: the elements the op defines (None:
     all), the only ones compared; ``outputs``: the call's, read over with this one where shadows live elsewhere."""
@@ -78,9 +78,9 @@ def _compare_tensor(engine: Engine, p: Prepared, o: Output, dtype: torch.dtype, 
     if not isinstance(shadow, torch.Tensor) or device._is_zerotensor():
         return Compared()
     if device.layout != torch.strided:  # a sparse result (to_sparse): no strided storage to mirror
-        raise Unsupported(p.plan.name, f"{device.layout} result: shadow mirrors strided tensors only")
+        raise Unsupported(prepared.plan.name, f"{device.layout} result: shadow mirrors strided tensors only")
     if device.is_nested:
-        raise Unsupported(p.plan.name, NESTED.format("result"))
+        raise Unsupported(prepared.plan.name, NESTED.format("result"))
     if shadow.shape != device.shape:  # a data-dependent shape the shadow did not reproduce: the device's adopted
         return Compared(mismatch=1, exact=True,
                         keep=engine.mirror.upcast(device) if shadow_dtype is not None else None)
@@ -154,7 +154,7 @@ def figures(engine: Engine, keep: Any, device: torch.Tensor, shadow: torch.Tenso
                     nonfinite=seen is not None and seen.device_nonfinite > 0, skipped=skipped)
 
 
-def verdict(engine: Engine, p: Prepared, compared: tuple[Compared, ...], budget: Budget | None,
+def verdict(engine: Engine, prepared: Prepared, compared: tuple[Compared, ...], budget: Budget | None,
             spot: SpotStats | None) -> Verdict:
     """The call's figures merged over its outputs, its effective bits and its budget's use."""
     if len(compared) == 1:  # most calls: the one output's figures are the call's
@@ -174,17 +174,17 @@ def verdict(engine: Engine, p: Prepared, compared: tuple[Compared, ...], budget:
                 local = dataclasses.replace(local)
             whole = _whole(compared)
             # a fixed budget's scale is its outputs' (shadow's own code, no rule's: nothing to guard)
-            local.effective_bits = budget.bits(local, whole) if p.fixed is not None else \
-                guarded(engine, p, None, lambda: budget.bits(local, whole))
+            local.effective_bits = budget.bits(local, whole) if prepared.fixed is not None else \
+                guarded(engine, prepared, None, lambda: budget.bits(local, whole))
         info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
     return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 
 
-def cpu_error(p: Prepared, outputs: Outputs) -> ErrorStats | None:
+def cpu_error(prepared: Prepared, outputs: Outputs) -> ErrorStats | None:
     """compare_cpu: the op's CPU kernel in the device dtype, on the device's inputs, against the same float64
     reference as the local error (the verdict msprobe and dynamo's same(fp64_ref) use). Random ops never get
     here: the CPU kernel would draw from the CPU generator."""
-    plan, inputs = p.plan, p.cpu
+    plan, inputs = prepared.plan, prepared.cpu
     try:
         out = plan.func(*inputs.args, **inputs.kwargs)
     except Exception:  # no CPU kernel for this dtype (a device-only kernel): no comparison

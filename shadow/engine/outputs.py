@@ -28,16 +28,16 @@ def takes_direct_path(plan: OpPlan, chain: tuple) -> bool:
     return all(r.is_tensor and not r.aliases_read and not r.aliases_write for r in plan.returns)
 
 
-def direct_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs | None:
+def direct_outputs(prepared: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs | None:
     """``read_outputs``' answer for a call of an op that takes the direct path, where every output is a floating
     strided tensor whose shadow the replay reproduced in shape and dtype (``Outputs.plain``); None for any other
     call."""
-    plan = p.plan
+    plan = prepared.plan
     if len(plan.returns) == 1:  # one output: a fresh return, or the argument written in place
         if plan.writes:
             spec = plan.writes[0]
-            device, shadow = spec.get(args, kwargs), p.shadow.get(spec)
-            local = p.local.get(spec) if p.local is not None else None
+            device, shadow = spec.get(args, kwargs), prepared.shadow.get(spec)
+            local = prepared.local.get(spec) if prepared.local is not None else None
         else:
             device, shadow, local = out, replayed.shadow, replayed.local
         if not _plain(device, shadow):
@@ -59,11 +59,11 @@ def _plain(device: Any, shadow: Any) -> bool:
         and shadow.shape == device.shape and not device._is_zerotensor()
 
 
-def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs:
+def read_outputs(prepared: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Replayed) -> Outputs:
     """Written arguments (in-place, out=), then fresh returns, then an .item()-like number, with their slots:
     an output's position among the op's flattened returns (a written argument: the return aliasing it), or
     among its written arguments where the op returns nothing."""
-    plan = p.plan
+    plan = prepared.plan
     returned = flat_returns(plan, out)
     has_returns = any(isinstance(t, torch.Tensor) for _, t in returned)
     # a written argument's slot is the return aliasing it: only ops that write look it up
@@ -76,7 +76,7 @@ def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Rep
         if device is None:
             continue
         # the local replay ran where local args exist (replayed.local is None too for in-place ops returning nothing)
-        shadow, local = p.shadow.get(spec), (p.local.get(spec) if p.local is not None else None)
+        shadow, local = prepared.shadow.get(spec), (prepared.local.get(spec) if prepared.local is not None else None)
         if isinstance(device, torch.Tensor):
             device, shadow, local = [device], [shadow], [local]
         elif local is None:
@@ -89,7 +89,7 @@ def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Rep
     item = None
     if plan.fresh_returns:
         shadows = flat_returns(plan, replayed.shadow)
-        locals_ = flat_returns(plan, replayed.local) if p.local is not None else [(None, None)] * len(returned)
+        locals_ = flat_returns(plan, replayed.local) if prepared.local is not None else [(None, None)] * len(returned)
         for slot, ((spec, device), (_, shadow), (_, local)) in enumerate(zip(returned, shadows, locals_)):
             if spec.aliases_write or spec.aliases_read:
                 continue
@@ -101,6 +101,6 @@ def read_outputs(p: Prepared, args: tuple, kwargs: dict, out: Any, replayed: Rep
     dtype = next((o.device.dtype for o in items if isinstance(o.device, torch.Tensor)
                   and (o.device.is_floating_point() or o.device.is_complex())), None)
     if dtype is None:
-        dtype = p.inputs[0].dtype if p.inputs else torch.float64
+        dtype = prepared.inputs[0].dtype if prepared.inputs else torch.float64
     return Outputs(tuple(items), len(returned) if has_returns else written, item, dtype,
                    defined_regions(plan, args, kwargs, out), False)

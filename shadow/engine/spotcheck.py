@@ -22,27 +22,28 @@ if TYPE_CHECKING:
     from .core import Engine
 
 
-def spot_check(engine: Engine, p: Prepared, out: Any, references: Any, dtype: torch.dtype, budget: Budget | None
-               ) -> SpotCheck:
+def spot_check(engine: Engine, prepared: Prepared, out: Any, references: Any, dtype: torch.dtype,
+               budget: Budget | None) -> SpotCheck:
     """The spot check of the reference the local error is measured against (``references``: the replay's outputs
     as the op returns them). With the budget of a sum (``Budget.of_sum``), bound / |reference| is the condition
     estimate that picks the first samples (where the reference cancels); elementwise ops round once from exact
     inputs and are sampled at random. The budget comes back None where building the bound of a sum failed."""
     if budget is not None and budget.of_sum:  # its bound ranks the samples: built from the reference as it is
-        budget = guarded(engine, p, budget, lambda: budget.bound)
-    plan = p.plan
+        budget = guarded(engine, prepared, budget, lambda: budget.bound)
+    plan = prepared.plan
     try:
-        devices = _tensors(plan, out)
-        refs = _tensors(plan, references)
+        devices, tensors = _tensors(plan, out), _tensors(plan, references)
         priority = None
         if budget is not None and budget.of_sum:
-            priority = [Condition.of(b, r, engine.scratch) for b, r in zip(budget.bound, refs)]
-        stats, samples = engine.spot.check(plan.func, p.pre.args, p.pre.kwargs, devices, refs, dtype, priority)
+            priority = [Condition.of(bound, reference, engine.scratch)
+                        for bound, reference in zip(budget.bound, tensors)]
+        pre = prepared.pre
+        stats, samples = engine.spot.check(plan.func, pre.args, pre.kwargs, devices, tensors, dtype, priority)
     except Exception as exc:
         _failed(engine, plan, exc)
         return SpotCheck(None, (), budget)
-    corrections = tuple(Correction(s.output, s.index, s.exact) for s in samples
-                        if not s.trusted and refs[s.output] is not None)
+    corrections = tuple(Correction(sample.output, sample.index, sample.exact) for sample in samples
+                        if not sample.trusted and tensors[sample.output] is not None)
     return SpotCheck(stats, corrections, budget)
 
 
@@ -50,9 +51,9 @@ def apply_corrections(engine: Engine, plan: OpPlan, references: Any, check: Spot
     """Write the exact values of the elements ``check`` found untrusted into the float64 references (the replay's
     own outputs); the check's figures, or None where writing them failed."""
     try:
-        refs = _tensors(plan, references)
-        for c in check.corrections:
-            refs[c.slot][c.index] = c.value
+        tensors = _tensors(plan, references)
+        for correction in check.corrections:
+            tensors[correction.slot][correction.index] = correction.value
     except Exception as exc:
         _failed(engine, plan, exc)
         return None
