@@ -1,6 +1,7 @@
 """What shadow records of one op call: small typed objects that keep numbers, never tensors.
 
->>> rec = Record(0, "aten.mm.default", "Net.fc", Phase.FORWARD, Kind.REPLAYED, dtype="torch.float32", shape=(4, 8))
+>>> rec = Record(index=0, op="aten.mm.default", module="Net.fc", phase=Phase.FORWARD, kind=Kind.REPLAYED,
+...              dtype="torch.float32", shape=(4, 8))
 >>> rec.kind == "replayed", rec.over_budget
 (True, False)
 """

@@ -46,11 +46,10 @@ class StepDrift:
 
 
 class Trajectory:
-    """Fed by the engine (``seen``: each record, with its first tensor result) and by the optimizer step hook
-    (``stepped``)."""
+    """Fed by the engine (``seen``, its ``EngineHooks.recorded``: each record, with its first tensor result) and by
+    the optimizer step hook (``stepped``)."""
 
-    def __init__(self, engine: Engine, names: Any) -> None:
-        self._engine = engine
+    def __init__(self, names: Any) -> None:
         self._names = names  # () -> {id(parameter): name}
         self._last: weakref.ref | None = None  # the last one-element forward result
         self._loss: weakref.ref | None = None  # ... frozen when the step's backward begins
@@ -64,19 +63,20 @@ class Trajectory:
                                                                  result.is_floating_point()):
             self._last = weakref.ref(result)
 
-    def stepped(self, opt: torch.optim.Optimizer) -> None:
+    def stepped(self, opt: torch.optim.Optimizer, engine: Engine) -> None:
+        """An optimizer step ended: the loss's and the stepped parameters' drift, read from ``engine``'s shadows."""
         with _no_dispatch():
             loss = self._loss() if self._loss is not None else None
             value = drift = None
             if loss is not None:
-                value, drift = self._relative(loss)
+                value, drift = _relative(engine, loss)
             names = self._names()
             total = norm = 0.0
             worst, worst_drift = "", 0.0
             for group in opt.param_groups:
                 for p in group["params"]:
                     try:
-                        diff, size = self._distance(p)
+                        diff, size = _distance(engine, p)
                     except (KeyError, TypeError):  # never seen (a frozen parameter): no shadow to compare
                         continue
                     total, norm = total + diff * diff, norm + size * size
@@ -87,23 +87,25 @@ class Trajectory:
         self.steps.append(StepDrift(len(self.steps) + 1, value, drift, params, worst, worst_drift))
         self._last = self._loss = None
 
-    def _distance(self, p: torch.Tensor) -> tuple[float, float]:
-        """(||p - shadow||, ||shadow||) from one comparison pass over the parameter and its shadow where they lie
-        (a step of a large model: copies of both cost more than the step's own optimizer ops); NaN distance where
-        either holds a NaN or an infinity, as their difference would."""
-        shadow = self._engine.shadow_view(p)
-        st = compare(p.detach(), shadow, p.dtype)
-        if st.nonfinite or st.nonfinite_agreed:
-            return math.nan, float(torch.linalg.vector_norm(shadow))
-        if st.norm == 0.0 or not st.rel_norm < math.inf:  # ||shadow|| is not norm / rel_norm: computed apart
-            return st.norm, float(torch.linalg.vector_norm(shadow))
-        return st.norm, st.norm / st.rel_norm
 
-    def _relative(self, t: torch.Tensor) -> tuple[float | None, float | None]:
-        try:
-            shadow = float(self._engine.shadow_of(t).reshape(-1)[0])
-        except (KeyError, TypeError):
-            return None, None
-        value = float(t.detach().reshape(-1)[0])
-        diff = abs(value - shadow)
-        return value, diff / abs(shadow) if shadow else (math.inf if diff else 0.0)
+def _distance(engine: Engine, p: torch.Tensor) -> tuple[float, float]:
+    """(||p - shadow||, ||shadow||) from one comparison pass over the parameter and its shadow where they lie
+    (a step of a large model: copies of both cost more than the step's own optimizer ops); NaN distance where
+    either holds a NaN or an infinity, as their difference would."""
+    shadow = engine.shadow_view(p)
+    st = compare(p.detach(), shadow, p.dtype)
+    if st.nonfinite or st.nonfinite_agreed:
+        return math.nan, float(torch.linalg.vector_norm(shadow))
+    if st.norm == 0.0 or not st.rel_norm < math.inf:  # ||shadow|| is not norm / rel_norm: computed apart
+        return st.norm, float(torch.linalg.vector_norm(shadow))
+    return st.norm, st.norm / st.rel_norm
+
+
+def _relative(engine: Engine, t: torch.Tensor) -> tuple[float | None, float | None]:
+    try:
+        shadow = float(engine.shadow_of(t).reshape(-1)[0])
+    except (KeyError, TypeError):
+        return None, None
+    value = float(t.detach().reshape(-1)[0])
+    diff = abs(value - shadow)
+    return value, diff / abs(shadow) if shadow else (math.inf if diff else 0.0)

@@ -102,7 +102,7 @@ def test_gradient_hooks_do_not_pile_up_over_steps():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     sm = ShadowMode(spot_checks="off")
-    tracker = sm._engine.attr._tracker
+    tracker = sm._engine.attribution._tracker
     held = []
     with sm:
         for _ in range(5):

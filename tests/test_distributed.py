@@ -110,7 +110,7 @@ def _worker(rank: int, port: int, hook: str, outdir: str) -> None:
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(ddp(x), y).backward()
                 opt.step()
-        assert not sm._engine._deferred  # ShadowMode's exit judged the collectives nothing read in the block
+        assert not sm._engine.deferred.pending  # ShadowMode's exit judged the collectives nothing read in the block
         shadows = {n: sm.shadow_of(p) for n, p in model.named_parameters()}
         torch.save(shadows, os.path.join(outdir, f"shadows{rank}.pt"))
         sm.report.save(os.path.join(outdir, f"report{rank}.json"))

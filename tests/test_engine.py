@@ -283,12 +283,12 @@ def test_unsupported_op_adopted_and_run_goes_on(monkeypatch):
 
 
 def test_internal_error_never_reaches_the_program(monkeypatch):
-    from shadow import engine
+    from shadow.engine import judge
 
     def boom(*a, **k):
         raise RuntimeError("shadow bug")
 
-    monkeypatch.setattr(engine, "compare", boom)
+    monkeypatch.setattr(judge, "compare", boom)
     x = torch.randn(4)
     with ShadowMode() as sm:
         y = (x * 2.0).exp()
@@ -825,26 +825,30 @@ def test_a_budget_rule_that_fails_lazily_costs_the_budget_not_the_op():
     assert sm.report.coverage.internal_errors == 1
 
 
-# --- the direct path (Engine._conclude_direct) ---
+# --- the direct path (shadow.engine.outputs.direct_outputs) ---
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("options", [{}, {"local": False, "budgets": False, "spot_checks": "off"}])
-def test_direct_path_concludes_as_the_general_path(dtype, options):
-    """A training step concluded on the direct path where it may, and on the general path for every call (an
-    ablation world that rewrites nothing: ``Engine._conclude_direct`` declines under any world), gives the same
-    records to the last bit and the same shadows."""
+def test_direct_path_concludes_as_the_general_path(dtype, options, monkeypatch):
+    """A training step whose outputs are read by the direct builder where it may, and by the general one for
+    every call (the direct builder turned off), gives the same records to the last bit and the same shadows: both
+    builders make the same ``Outputs``, which one conclusion path judges and commits."""
+    from shadow.engine import conclude
+
+    direct_outputs = conclude.direct_outputs
 
     def run(general: bool, concluded: list | None = None):
+        def builder(*a):
+            outputs = None if general else direct_outputs(*a)
+            if concluded is not None:
+                concluded.append(outputs is not None)
+            return outputs
+
+        monkeypatch.setattr(conclude, "direct_outputs", builder)
         torch.manual_seed(0)
         model = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True).to(dtype)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         x = torch.randn(2, 8, 16, dtype=dtype)
         with ShadowMode(**options) as sm:
-            engine = sm._engine
-            if general:
-                engine.world = lambda *at: None
-            if concluded is not None:  # counted in a run of its own: the wrapper's frame would be the call site
-                conclude = engine._conclude_direct
-                engine._conclude_direct = lambda *a: concluded.append(conclude(*a)) or concluded[-1]
             for _ in range(3):
                 loss = model(x).float().pow(2).mean()
                 loss.backward()
@@ -868,3 +872,21 @@ def test_direct_path_concludes_as_the_general_path(dtype, options):
     assert torch.equal(direct.shadow_of(loss_d), general.shadow_of(loss_g))
     for a, b in zip(params_d, params_g):
         assert torch.equal(direct.shadow_of(a), general.shadow_of(b))
+
+
+def test_engine_hooks_see_each_judged_call_and_are_checked():
+    from shadow.engine import EngineHooks
+
+    seen = []
+    x = torch.randn(3)
+    with ShadowMode(hooks=EngineHooks(observe=lambda rec, outputs, p: seen.append((rec.op, len(outputs))))) as sm:
+        y = x * 3.0
+        torch.randn(2)  # random: adopted, not judged
+    assert seen == [("aten.mul.Tensor", 1)] and len(sm.report.records) == 2
+    assert torch.equal(sm.shadow_of(y), x.double() * 3.0)
+    with pytest.raises(TypeError, match="expected a shadow.engine.EngineHooks"):
+        ShadowMode(hooks=lambda rec: None)
+    with pytest.raises(ValueError, match="ShadowMode's own"):
+        ShadowMode(hooks=EngineHooks(recorded=lambda rec, result: None))
+    with pytest.raises(ValueError, match="world given twice"):
+        EngineHooks(world=lambda *at: None).merged(EngineHooks(world=lambda *at: "exact"))

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 import shadow.mirror as mirror_module
 from shadow import ShadowMode, metrics
-from shadow.engine import Prepared, _remap
+from shadow.engine import EngineHooks
+from shadow.engine.prepare import InputShadows, remap
 from shadow.errors import ShadowOptionError
 from shadow.mirror import AUTO_FREE_SHARE, CPU, Mirror, Placement, parse_shadow_device, resolve_auto
 from shadow.options import Options
@@ -140,13 +141,11 @@ def test_the_options_reach_the_placement():
 def test_observers_keep_auto_on_the_cpu():
     """shadow.attribute's and shadow.audit's observers compute with CPU tensors of their own: "auto" stays on the
     CPU under them; an explicit device is the caller's choice."""
-    eng = ShadowMode()._engine
-    eng.observe = lambda rec, outputs, p: None
+    eng = ShadowMode(hooks=EngineHooks(observe=lambda rec, outputs, p: None))._engine
     assert eng.mirror.place.fixed == CPU and eng.mirror.place(torch.device("cuda", 0)) == CPU
-    chosen = ShadowMode()._engine
-    chosen.mirror.place = Placement(META)
-    chosen.observe = lambda rec, outputs, p: None
-    assert chosen.mirror.place.fixed == META
+    chosen = Placement(META)
+    chosen.on_cpu_unless_chosen()  # what the engine asks of its placement under an observer
+    assert chosen.fixed == META
 
 
 # --- every shadow the mirror and the engine make goes where the placement says ---
@@ -174,22 +173,21 @@ def test_the_mirror_makes_its_shadows_on_the_shadow_device(on_meta):
 def test_the_engine_makes_its_argument_shadows_on_the_shadow_device(on_meta):
     eng = ShadowMode()._engine
     eng.mirror = on_meta
-    plan = plan_of(aten.add.Tensor)
-    p = Prepared(plan, (), inputs=[], storages=set())
-    assert eng._shadow_arg(p, torch.tensor([1, 2]), False, False).device == META  # discrete, following the device
-    assert eng._shadow_arg(p, torch._efficientzerotensor(2), False, False).device == META
-    assert eng._shadow_arg(p, torch.randn(2), False, False).device == META
+    inputs = InputShadows(eng, plan_of(aten.add.Tensor))
+    assert inputs.shadow(torch.tensor([1, 2]), False, False).device == META  # discrete, following the device
+    assert inputs.shadow(torch._efficientzerotensor(2), False, False).device == META
+    assert inputs.shadow(torch.randn(2), False, False).device == META
 
 
 def test_device_arguments_are_remapped_to_the_shadow_device():
     chosen = Placement(torch.device("cuda", 7))  # never run: only where the replay would put its result
     to_copy, zeros = plan_of(aten._to_copy.default), plan_of(aten.zeros.default)
-    assert _remap(to_copy, "device", CPU, chosen) == torch.device("cuda", 7)
-    assert _remap(to_copy, "device", None, chosen) is None  # _to_copy: None is "where the input is", its shadow's
-    assert _remap(zeros, "device", None, chosen) == torch.device("cuda", 7)  # a factory's default: the CPU
-    assert _remap(zeros, "dtype", torch.float32, chosen) == torch.float64
+    assert remap(to_copy, "device", CPU, chosen) == torch.device("cuda", 7)
+    assert remap(to_copy, "device", None, chosen) is None  # _to_copy: None is "where the input is", its shadow's
+    assert remap(zeros, "device", None, chosen) == torch.device("cuda", 7)  # a factory's default: the CPU
+    assert remap(zeros, "dtype", torch.float32, chosen) == torch.float64
     cpu = Placement(CPU)
-    assert _remap(zeros, "device", None, cpu) is None and _remap(zeros, "device", torch.device("cuda", 0), cpu) == CPU
+    assert remap(zeros, "device", None, cpu) is None and remap(zeros, "device", torch.device("cuda", 0), cpu) == CPU
 
 
 def test_the_shadow_data_path_hard_codes_no_cpu():
@@ -197,12 +195,13 @@ def test_the_shadow_data_path_hard_codes_no_cpu():
     placement's own definitions), and every tensor they create names its device."""
     root = Path(__file__).resolve().parent.parent / "shadow"
     allowed = {
-        "engine.py": ('lambda t, _: t.detach().to("cpu", copy=True))  # the kernel may write',  # compare_cpu
-                      'spec.put(a, kw, torch.device("cpu"))', 'place.fixed.type != "cpu"'),
+        "engine/prepare.py": ('lambda t, _: t.detach().to("cpu", copy=True))  # the kernel may write',  # compare_cpu
+                              'spec.put(a, kw, torch.device("cpu"))', 'place.fixed.type != "cpu"'),
         "mirror.py": ('CPU = torch.device("cpu")', 'if device.type == "cpu":', '# --- where shadows live'),
         "transfer.py": ('elif t.is_cuda and to.type == "cpu":', 'shadow_device="cpu"'),  # pinned memory, the docstring
     }
-    files = ["engine.py", "mirror.py", "transfer.py", "replay/rules.py", "replay/kernels.py", "replay/attention.py"]
+    files = [str(f.relative_to(root)) for f in sorted((root / "engine").glob("*.py"))]
+    files += ["mirror.py", "transfer.py", "replay/rules.py", "replay/kernels.py", "replay/attention.py"]
     for name in files:
         for i, line in enumerate((root / name).read_text().splitlines(), 1):
             if '"cpu"' in line:

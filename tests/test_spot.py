@@ -403,7 +403,7 @@ def test_the_condition_estimates_largest_element_in_one_pass_is_the_ranked_ones(
     pass (shadow._fused) where both tensors are contiguous CPU float64, the first of equal ones, never a NaN
     (0/0); the same position as ranking the materialized quotient, bound tensor or one-element bound; more
     positions than one rank the quotient."""
-    from shadow.engine import _Condition
+    from shadow.engine.spotcheck import Condition
     from shadow.scratch import Scratch
     from shadow.spot.sampling import top_positions
 
@@ -413,16 +413,16 @@ def test_the_condition_estimates_largest_element_in_one_pass_is_the_ranked_ones(
     r[::7], bound[::14] = 0.0, 0.0  # 0/0 (NaN) and x/0 (inf)
     for b in (bound, bound[1:2].clone(), bound.clone().fill_(1.0)):
         for rr in (r, r.clone().fill_(2.0)):  # all equal quotients: the first position
-            c = _Condition(b, rr, Scratch())
+            c = Condition(b, rr, Scratch())
             want = top_positions(c.tensor(), 1)
             assert c.top(1) == want, (b.numel(), c.top(1), want)
             assert c.top(3) == top_positions(c.tensor(), 3)
-    nan = _Condition(torch.zeros(n, dtype=f64), torch.zeros(n, dtype=f64), Scratch())
+    nan = Condition(torch.zeros(n, dtype=f64), torch.zeros(n, dtype=f64), Scratch())
     assert nan.top(1) == []  # every quotient NaN: no position by priority (random ones fill in)
     if n > 2**15:  # the largest quotient in the third chunk, past the first thread's
         r2, b2 = torch.ones(n, dtype=f64), torch.ones(n, dtype=f64)
         b2[2 * 2**15 + 5] = 9.0
-        assert _Condition(b2, r2, Scratch()).top(1) == [2 * 2**15 + 5]
+        assert Condition(b2, r2, Scratch()).top(1) == [2 * 2**15 + 5]
 
 
 def test_a_cancelling_call_gets_more_samples_than_a_benign_one():

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..engine import EngineHooks
 from ..errors import ShadowOptionError
 from ..modes.shadow import ShadowMode
 from ..records import Phase, Record
@@ -146,17 +147,15 @@ def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
     float64 adjoint of <along(D), T>, where D is the target's drift (``along`` returns None: no weighting needed);
     ``also``: another observer of every judged call, called before the errors are asked for; ``ready``: called
     with the ShadowMode before the step."""
-    sm = ShadowMode(**options)
-    if ready is not None:
-        ready(sm)
-    adjoints = Adjoints(sm.shadow_of, errors)
-
     def observe(rec: Record, outputs: list, p: Any) -> None:
         if also is not None:
             also(rec, outputs, p)
         adjoints.observe(rec, outputs, p)
 
-    sm._engine.observe = observe
+    sm = ShadowMode(**options, hooks=EngineHooks(observe=observe))
+    if ready is not None:
+        ready(sm)
+    adjoints = Adjoints(sm.shadow_of, errors)
     sm._attr.callsites.on_bind = adjoints.bind
     try:
         with sm:
@@ -268,11 +267,10 @@ def _ablation(step: Callable[[], Any], by: str, target: Any, options: dict) -> A
 def _share_removed(step: Callable[[], Any], target: Any, state: StepState, world: Callable[..., str],
                    t_64: torch.Tensor, d: torch.Tensor, dd: float) -> float:
     """<D - D_world, D> / <D, D>: the share of the drift that disappears in a world where ``world`` says which
-    calls are exact (the rest make the error the device made: ``Engine._rewrite_shadow``). The step runs again
+    calls are exact (the rest make the error the device made: ``shadow.engine.commit.in_world``). The step runs again
     from the start; the device computes exactly what it did, and the world is the shadow of the target."""
     state.restore(state.start)
-    sm = ShadowMode(spot_checks="off", budgets=False, max_records=0)
-    sm._engine.world = world
+    sm = ShadowMode(spot_checks="off", budgets=False, max_records=0, hooks=EngineHooks(world=world))
     with sm:
         values = _targets(step(), target)
         t_world = _read(values, sm)[1]

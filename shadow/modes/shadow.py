@@ -13,9 +13,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..attribution.tracking import Attribution
 from .. import _compat
-from ..engine import Engine
+from ..engine import Engine, EngineHooks
 from ..errors import ShadowWarning
 from ..options import Options
+from ..plan import OpPlan
 from ..report import Report
 from ..trajectory import Trajectory
 
@@ -30,8 +31,8 @@ class _ShadowDispatch(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # False: torch (2.6 on) does not wrap __torch_dispatch__ in torch._disable_dynamo, whose wrapper costs
-        # 0.45 us a call; __torch_dispatch__ does its one job below (torch 2.4.1 asks nothing, wraps nothing)
+        # False: torch (2.6 on) does not wrap __torch_dispatch__ in torch._disable_dynamo; __torch_dispatch__ does
+        # its one job below (torch 2.4.1 asks nothing, wraps nothing)
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,6 +53,25 @@ class _ShadowDispatch(TorchDispatchMode):
 
 
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+
+
+class _Scope:
+    """ShadowMode(scope=[module, ...]) as the engine asks it (``EngineHooks.shadows``): a call of a scoped module
+    (its forward or backward), or an optimizer call on one of its parameters."""
+
+    def __init__(self, modules: tuple[torch.nn.Module, ...], attribution: Attribution):
+        self.modules, self.attribution = modules, attribution
+
+    def __call__(self, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
+        attribution = self.attribution
+        names = attribution.module_names(self.modules)
+        if not names:
+            return False
+        if attribution.stepping:
+            name = attribution.parameter_of([t for _, t in plan.tensors(args, kwargs)])
+            return any(name == n or name.startswith(n + ".") for n in names)
+        parents = attribution.parents
+        return any(n in parents for n in names)
 
 
 _PLAIN = torch.Tensor.__torch_dispatch__
@@ -86,11 +106,18 @@ class ShadowMode:
         scope: Any = None,  # [module, ...]: shadow only their calls (forward, backward, optimizer); adopt the rest
         max_shadow_bytes: int | None = None,  # fail (ShadowMemoryError) before shadows would exceed this
         shadow_device: Any = "auto",  # where shadows live and replay: "auto", "cpu", or a float64 device ("cuda")
+        hooks: EngineHooks | None = None,  # how shadow.attribute and shadow.audit take part in each op call
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
                                spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu,
                                callsites=callsites, scope=scope, max_shadow_bytes=max_shadow_bytes,
                                shadow_device=shadow_device)
+        if hooks is not None and not isinstance(hooks, EngineHooks):
+            raise TypeError(f"ShadowMode(hooks={hooks!r}): expected a shadow.engine.EngineHooks")
+        if hooks is not None and (hooks.shadows is not None or hooks.recorded is not None):
+            raise ValueError("ShadowMode(hooks=...): its shadows and recorded hooks are ShadowMode's own (scope=, "
+                             "the trajectory); give world or observe only")
+        self._hooks = hooks if hooks is not None else EngineHooks()
         self._active = 0
         self.reset()
 
@@ -101,9 +128,11 @@ class ShadowMode:
         self.report = Report(max_records=self.options.max_records, meta=self._meta())
         self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
         self._adopting: dict = {}  # compiled modules whose outputs are adopted (torch 2.4) -> their hook
-        self._engine = Engine(self.options, self.report, self._attr)
-        self._engine.trajectory = Trajectory(self._engine, self._attr.parameter_names)
-        self.report.trajectory = self._engine.trajectory.steps
+        self._trajectory = Trajectory(self._attr.parameter_names)
+        self.report.trajectory = self._trajectory.steps
+        own = EngineHooks(recorded=self._trajectory.seen,
+                          shadows=_Scope(self.options.scope, self._attr) if self.options.scope is not None else None)
+        self._engine = Engine(self.options, self.report, self._attr, own.merged(self._hooks))
         self._mode = None
 
     def _compiled_module(self, module: str, mod: torch.nn.Module) -> None:
@@ -149,7 +178,8 @@ class ShadowMode:
         if dist.is_available() and dist.is_initialized():  # per-rank reports say whose they are (merge_reports)
             self.report.meta.update(rank=dist.get_rank(), world_size=dist.get_world_size())
         self._attr.__enter__()
-        self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._engine.trajectory.stepped(opt))
+        self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._trajectory.stepped(opt,
+                                                                                                      self._engine))
         self._mode = _ShadowDispatch(self._engine)
         self._mode.__enter__()
         self._active = 1

@@ -9,7 +9,7 @@ again by each precision's emulated device (``shadow.modes``) on the inputs it wo
 ran alone in that precision (``onepass``), and that error is weighted by the float64 adjoint of the target
 (``shadow.attribution.adjoint``, as ``shadow.attribute(method="linear")``). The ``verify`` most sensitive parts per
 precision are then run again one at a time, only that part emulated on the device (``shadow.modes.Scoped``), and
-measured in a float64 world where only that part's calls carry their error (``Engine._rewrite_shadow``). Range
+measured in a float64 world where only that part's calls carry their error (``shadow.engine.commit.in_world``). Range
 risks come from the same first run (``shadow.precision.ranges``). ``AuditReport.plan(tolerance)`` picks a precision
 per part (``shadow.precision.plan``). docs/audit.md: what each figure means, and how they compare with direct runs.
 """
@@ -25,6 +25,7 @@ import torch
 
 from ..attribution.share import adjoint_pass, _own, _read, _targets
 from ..attribution.state import StepState
+from ..engine import EngineHooks
 from ..errors import ShadowOptionError
 from ..modes.emulate import FP8Mode, TF32Mode
 from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format
@@ -182,7 +183,7 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
 
     def ready(sm: ShadowMode) -> None:
         emulated.attach(sm)
-        running.append(sm._engine.attr)
+        running.append(sm._engine.attribution)
 
     def observe(rec: Record, outputs: list, p: Any) -> None:
         parts = _parts(rec, by, own, running[0].parents)
@@ -242,17 +243,17 @@ def _verified(step: Callable[[], Any], target: Any, state: StepState, precision:
     """The step again with only ``part`` emulated, measured in a float64 world where only the part's calls make
     their (emulated) error: |T_world - T_64| / |T_64|."""
     state.restore(state.start)
-    sm = ShadowMode(spot_checks="off", budgets=False, drift=False, max_records=0)
     if by == "op":
         scope = dict(op=part)
         inside = lambda op, module: op == part  # noqa: E731
     elif tree and part:
         scope = dict(module=part)
-        inside = lambda op, module: part in sm._engine.attr.parents  # noqa: E731
+        inside = lambda op, module: part in sm._attr.parents  # noqa: E731
     else:  # a module's own calls, or those outside any module
         scope = dict(module=part, innermost=True)
         inside = lambda op, module: module == part  # noqa: E731
-    sm._engine.world = lambda op, m, ph, s: "device" if ph is not Phase.OPTIMIZER and inside(op, m) else None
+    world = (lambda op, m, ph, s: "device" if ph is not Phase.OPTIMIZER and inside(op, m) else None)  # noqa: E731
+    sm = ShadowMode(spot_checks="off", budgets=False, drift=False, max_records=0, hooks=EngineHooks(world=world))
     upcasts = Upcasts()
     with upcasts, Scoped(precision.mode(upcasts), **scope), sm:
         values = _targets(step(), target)

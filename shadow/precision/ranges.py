@@ -34,7 +34,7 @@ class Range:
 
 
 class Ranges:
-    """An observer of the engine (``Engine.observe``): folds each judged call's floating results into the Range of
+    """An observer of the engine (``EngineHooks.observe``): folds each judged call's floating results into the Range of
     each of its parts. ``formats``: name -> (Format, per-tensor scaled)."""
 
     def __init__(self, formats: dict[str, tuple[Format, bool]]) -> None:

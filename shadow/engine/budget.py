@@ -1,0 +1,59 @@
+"""A call's error budget (``shadow.budgets``), from its inputs before the op and its float64 references. A budget
+rule that fails costs the call its budget, never its figures: counted in ``coverage.internal_errors`` under
+"budget of OP"."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..budgets import Budget, budget_for
+from .values import Outputs, Prepared
+
+if TYPE_CHECKING:
+    from .core import Engine
+
+
+def budget_of_outputs(engine: Engine, prepared: Prepared, outputs: Outputs) -> Budget | None:
+    """The budget of the call's outputs, each at its slot; None (no budget) where there is nothing to bound or no
+    tensor output."""
+    slots: list = [None] * outputs.slots  # None where an output is absent
+    found = False
+    for o in outputs.items:
+        if o.slot is not None and isinstance(o.device, torch.Tensor):
+            if o.slot >= len(slots):
+                slots += [None] * (o.slot + 1 - len(slots))
+            slots[o.slot] = o.reference
+            found = True
+    return budget_of(engine, prepared, slots, outputs.dtype) if found else None
+
+
+def budget_of(engine: Engine, prepared: Prepared, references: list, dtype: torch.dtype) -> Budget | None:
+    """The budget of the references by output slot (None where an output is absent) in the device ``dtype``;
+    None when its rule failed."""
+    if prepared.fixed is not None:  # no argument read, no rule's code run: nothing to guard
+        return prepared.fixed.budget(references, dtype)
+    pre = prepared.pre
+    return guarded(engine, prepared, None, lambda: budget_for(prepared.plan.func, pre.args, pre.kwargs, references,
+                                                               dtype, scratch=engine.scratch))
+
+
+def with_bounds(engine: Engine, prepared: Prepared, budget: Budget | None) -> Budget | None:
+    """``budget`` once the bounds the comparisons read are built (bounds are built lazily: None when the rule
+    fails there, which costs the call its budget only); budgets in ulps need no bounds."""
+    if budget is not None and budget.ulps is None:
+        return guarded(engine, prepared, budget, lambda: budget.compared)
+    return budget
+
+
+def guarded(engine: Engine, prepared: Prepared, value: Any, build: Callable[[], Any]) -> Any:
+    """``value`` once ``build()`` succeeded (``build()``'s result when value is None); None when a budget rule
+    failed in it: its bug must not cost the op its error figures (counted, visible in the coverage)."""
+    try:
+        built = build()
+    except Exception as exc:
+        engine.report.internal_error(f"budget of {prepared.plan.name}",
+                                     f"internal error: {type(exc).__name__}: {exc}"[:240])
+        return None
+    return built if value is None else value

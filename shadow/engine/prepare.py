@@ -1,0 +1,220 @@
+"""Preparation, before the device runs an op: the shadow inputs, the device's own inputs upcast, the inputs as they
+were before an in-place op, and the CPU copies of ``compare_cpu`` (one ``Prepared``). Views only get their input
+storages' shadows (``see``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..budgets import reads_overwritten
+from ..errors import ShadowMemoryError, Unsupported
+from ..mirror import SHADOW_DTYPES, Placement
+from ..plan import ArgSpec, OpPlan
+from ..records import Event
+from .values import Args, Prepared
+
+if TYPE_CHECKING:
+    from .core import Engine, Route
+
+# Nested tensors have a shape per component and no strides: the mirror cannot hold their shadows (test_nested.py)
+NESTED = ("nested tensor {}: shadow mirrors dense tensors only (nested tensors come from torch.nested, or from "
+          "nn.TransformerEncoder's fast path for padded batches in eval mode); build the encoder with "
+          "enable_nested_tensor=False, or run it in training mode or without src_key_padding_mask, to shadow it")
+
+
+class NoValues(Exception):
+    """The call runs on meta tensors: shapes only, no values to shadow."""
+
+
+def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared:
+    """Everything the replays, the budget, the spot check and ``compare_cpu`` read of the call's inputs, built before
+    the device op runs (it may write them)."""
+    plan, options, place = route.plan, engine.options, engine.mirror.place
+    cap = options.max_shadow_bytes
+    if cap is not None:
+        engine.trim_scratch()
+    inputs = InputShadows(engine, plan)
+    shadow = Args(*plan.map_tensors(args, kwargs, inputs))
+    if plan.remap_args:
+        remap_args(plan, place, shadow)
+    local = None
+    if options.local and not inputs.exact:
+        local = Args(*plan.map_tensors(args, kwargs, Upcasts(engine, inputs.tensors)))
+        if plan.remap_args:
+            remap_args(plan, place, local)
+    if plan.writes and engine.copies:  # the op writes these: copies read over before it are out of date
+        engine.copies.drop(plan.tensors(args, kwargs, plan.writes))
+    dtype = inputs.tensors[0].dtype if inputs.tensors else None
+    # float64 devices have no headroom over the float64 reference: nothing to validate
+    spot = engine.spotting and dtype is not None and dtype != torch.float64 and engine.spot.wants(plan.name)
+    budget = options.budgets and options.local and dtype is not None
+    fixed = route.fixed if budget else None
+    pre = None
+    if spot or (budget and fixed is None):
+        pre = pre_inputs(engine, plan, local if local is not None else shadow, spot)
+    if cap is not None and engine.mirror.held > cap:
+        raise ShadowMemoryError(
+            f"shadow holds {engine.mirror.held} bytes of float64 shadows at {plan.name} (call {engine.index}), "
+            f"over max_shadow_bytes={cap}: raise max_shadow_bytes, or shadow part of the model with "
+            "ShadowMode(scope=[module, ...]) (those modules' calls, their backward and their parameters' "
+            "optimizer calls)")
+    cpu = None
+    if options.compare_cpu and options.local and dtype is not None:
+        a, kw = plan.map_tensors(args, kwargs, lambda t, _: t.detach().to("cpu", copy=True))  # the kernel may write
+        for spec in plan.remap_args:
+            if isinstance(spec.get(a, kw), torch.device):
+                spec.put(a, kw, torch.device("cpu"))
+        cpu = Args(a, kw)
+    return Prepared(plan, route.chain, shadow, local, pre, cpu, inputs.exact, inputs.nonfinite, inputs.drift,
+                    inputs.tensors, inputs.storages, spot, budget, fixed, route.direct)
+
+
+class InputShadows:
+    """The shadows of one call's tensor arguments (``plan.map_tensors``' function), and what they say of the call:
+    whether every one is exact, holds a NaN or an infinity, the largest drift."""
+
+    __slots__ = ("engine", "plan", "exact", "nonfinite", "drift", "tensors", "storages", "read")
+
+    def __init__(self, engine: Engine, plan: OpPlan):
+        self.engine, self.plan = engine, plan
+        self.exact = True  # every shadow input equals the device's
+        self.nonfinite = False
+        self.drift = 0.0
+        self.tensors: list[torch.Tensor] = []  # the floating device tensors read
+        self.storages: set[int] = set()  # their shadows' storages
+        # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
+        self.read: dict[int, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
+        if spec.write:
+            return self.shadow(t, True, spec.index in self.plan.declared_writes)
+        v = self.read.get(id(t))
+        if v is None:
+            v = self.read[id(t)] = self.shadow(t, False, False)
+        return v
+
+    def shadow(self, t: torch.Tensor, write: bool, declared: bool) -> torch.Tensor:
+        """The shadow of argument ``t`` (``write``: the op writes it; ``declared``: its version counter moves)."""
+        if t.is_meta:
+            raise NoValues
+        if t.layout != torch.strided:  # sparse (COO, CSR...) and mkldnn tensors have no strided storage to mirror
+            raise Unsupported(self.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
+        if t.is_nested:
+            raise Unsupported(self.plan.name, NESTED.format("argument"))
+        engine = self.engine
+        mirror = engine.mirror
+        shadow_dtype = mirror.shadow_dtype(t.dtype)
+        if shadow_dtype is None:  # discrete, following the device: its values, never written back
+            device = t.device
+            if mirror.place(device) != device:  # read over once per storage version (a kept copy is never written)
+                return engine.copies.read(t, keep=not write)
+            return t.clone() if write else t
+        if t._is_zerotensor():  # _efficientzerotensor has no memory to read
+            return torch.zeros(t.shape, dtype=shadow_dtype, device=mirror.place(t.device))
+        entry = entry_of(engine, self.plan, t)
+        self.nonfinite = self.nonfinite or entry.nonfinite
+        if entry.drift > self.drift:
+            self.drift = entry.drift
+        if declared:
+            mirror.note_write(entry)
+        self.exact = self.exact and entry.exact
+        self.tensors.append(t)
+        self.storages.add(entry.sptr)
+        return mirror.view(t, entry)
+
+
+class Upcasts:
+    """The device's own inputs in their shadow dtype where the shadows live (``plan.map_tensors``' function): a
+    tensor passed twice (Adam's ``addcmul_(g, g)``) is upcast once; one whose shadow lives on another device is
+    read over once per storage version, with the call's other inputs."""
+
+    __slots__ = ("engine", "batch", "seen")
+
+    def __init__(self, engine: Engine, batch: list[torch.Tensor]):
+        self.engine, self.batch = engine, batch
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
+        c = self.seen.get(id(t))
+        if c is None:
+            engine = self.engine
+            mirror = engine.mirror
+            to = mirror.place(t.device)
+            values = t if to == t.device else engine.copies.read(t, self.batch)
+            c = self.seen[id(t)] = engine.scratch.copy(values, mirror.shadow_dtype(t.dtype) or t.dtype, to)
+        return c
+
+
+def pre_inputs(engine: Engine, plan: OpPlan, reference: Args, spot: bool) -> Args:
+    """The reference's inputs as they are before the op: every input that shares memory with a written argument
+    is copied (the replays write them; ``x.add_(x, alpha=2)``, ``add(x, y, out=x)``), except out= buffers
+    themselves (nothing reads them) and the op's in-place ``self`` when no spot check is planned and the op's
+    budget rules do not read it (``shadow.budgets.reads_overwritten``)."""
+    written = {t.untyped_storage().data_ptr() for _, t in plan.tensors(reference.args, reference.kwargs, plan.writes)}
+    if not written:
+        return Args(list(reference.args), dict(reference.kwargs))
+    skip = plan.out_args if spot or reads_overwritten(plan.func) else plan.write_args
+    scratch = engine.scratch
+
+    def snapshot(t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in written:
+            return t
+        return scratch.copy(t, t.dtype, t.device)
+
+    return Args(*plan.map_tensors(reference.args, reference.kwargs, snapshot, skip))
+
+
+def entry_of(engine: Engine, plan: OpPlan, t: torch.Tensor) -> Any:
+    """The mirror entry of a floating input's storage, resynced (and reported) after an unobserved write."""
+    mirror = engine.mirror
+    entry = mirror.entry(t)
+    if mirror.unobserved_write(t, entry):
+        mirror.resync(t)
+        if engine.copies:
+            engine.copies.drop([(None, t)])
+        entry = mirror.entry(t)
+        engine.report.unobserved_write(Event(
+            engine.index, plan.name, "unobserved_write",
+            f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced"))
+    return entry
+
+
+def see(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> None:
+    """A view's input storages get their shadows now (adopted if new, resynced if written behind shadow's back), so
+    the view's shadow exists; an in-place view op (``t_``, ``unsqueeze_``) bumps its input's version counter, which
+    is noted as a write shadow saw."""
+    mirror = engine.mirror
+    for spec, t in plan.tensors(args, kwargs):
+        if t.device.type != "meta" and mirror.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
+                and t.layout == torch.strided and not t.is_nested:
+            entry = entry_of(engine, plan, t)
+            if spec.index in plan.declared_writes:
+                mirror.note_write(entry)
+
+
+def remap_args(plan: OpPlan, place: Placement, a: Args) -> None:
+    """dtype and device arguments rewritten for the float64 replay on the shadow device (in place in these
+    copies): a device names where the device op puts its result, so the replay puts the shadow where that
+    device's shadows live (``place``)."""
+    for spec in plan.remap_args:
+        v = spec.get(a.args, a.kwargs)
+        new = remap(plan, spec.name, v, place)
+        if new is not v:
+            spec.put(a.args, a.kwargs, new)
+
+
+def remap(plan: OpPlan, name: str, v: Any, place: Placement) -> Any:
+    """One dtype or device argument ``name`` of value ``v`` as the float64 replay on the shadow device takes it."""
+    if isinstance(v, torch.dtype):
+        return SHADOW_DTYPES.get(v) or v
+    if isinstance(v, torch.device):
+        return place(v)
+    # a factory op's default device is the CPU: its shadow goes to the device chosen for every shadow
+    if v is None and name == "device" and not plan.tensor_args and place.fixed is not None \
+            and place.fixed.type != "cpu":
+        return place.fixed
+    if name in ("pin_memory", "half_to_float") and v:
+        return False
+    return v
