@@ -254,3 +254,21 @@ def test_fused_rnn_cells_against_the_cpus_lstm_and_gru(dml, cell):
         net = net.cpu()
     for c, g in zip(*results):
         torch.testing.assert_close(g, c, rtol=1e-5, atol=1e-5)
+
+
+def test_convolutions_run_the_cpus_kernels(dml):
+    """aten picks convolution_overrideable (and its backward) on PrivateUse1, which DirectML registers: the stand-in
+    runs the CPU's convolution there, so the device's bits are the CPU's, forward and backward."""
+    torch.manual_seed(4)
+    conv, bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+    x = torch.randn(2, 3, 6, 6)
+    results = []
+    for d in ("cpu", dml):
+        net = torch.nn.Sequential(conv, bn).to(d)
+        net.zero_grad()
+        y = net(x.to(d))
+        y.square().sum().backward()
+        results.append([t.detach().to("cpu", copy=True) for t in (y, conv.weight.grad, conv.bias.grad, bn.running_var)])
+        bn.reset_running_stats()
+        net.cpu()
+    assert all(torch.equal(a, b) for a, b in zip(*results))

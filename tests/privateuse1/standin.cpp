@@ -14,7 +14,7 @@
 // - Views share the device storage; in-place and out= ops write it; random ops draw from a generator of the
 //   device's own (the CPU's default generator is never drawn from).
 // - Counters of the host traffic (device-to-host and host-to-device copies, .item() reads) made by callers,
-//   not by this backend's own kernels.
+//   not by this backend's own kernels, and the set of ops run through the fallback.
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -69,6 +69,8 @@ struct Inside {
   Inside& operator=(const Inside&) = delete;
 };
 std::atomic<int64_t> device_to_host{0}, host_to_device{0}, item_reads{0}, allocated{0};
+std::mutex fell_back_lock;
+std::set<std::string> fell_back;  // the ops run through the CPU fallback since the counters were reset
 
 // --- memory ---
 void free_block(void* ctx) {
@@ -346,6 +348,8 @@ c10::IValue result_to_device(const c10::IValue& v, const std::vector<Pair>& pair
 
 using Body = void (*)(const c10::OperatorHandle&, torch::jit::Stack*);
 
+at::Tensor optional_arg(const c10::IValue& v) { return v.isNone() ? at::Tensor() : v.toTensor(); }
+
 // Run `body` on the stack with every device tensor replaced by its host view, then bring the results back.
 void on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, Body body) {
   Inside in;
@@ -486,6 +490,48 @@ void exp_body(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::push(*stack, out);
 }
 
+// --- convolutions: aten picks the "overrideable" convolution on PrivateUse1 devices (DirectML registers it); here
+// the CPU's convolution on the device memory ---
+int64_t as_int(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt().expect_int(); }
+
+std::vector<int64_t> as_ints(const c10::IValue& v) {
+  if (v.isIntList()) {
+    return v.toIntVector();
+  }
+  std::vector<int64_t> out;
+  for (const auto& s : v.toSymIntVector()) {
+    out.push_back(s.expect_int());
+  }
+  return out;
+}
+
+// convolution_overrideable(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+void convolution_body(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  auto n = stack->size();
+  auto r = at::convolution((*stack)[n - 9].toTensor(), (*stack)[n - 8].toTensor(), optional_arg((*stack)[n - 7]),
+                           as_ints((*stack)[n - 6]), as_ints((*stack)[n - 5]), as_ints((*stack)[n - 4]),
+                           (*stack)[n - 3].toBool(), as_ints((*stack)[n - 2]), as_int((*stack)[n - 1]));
+  torch::jit::drop(*stack, 9);
+  torch::jit::push(*stack, r);
+}
+
+// convolution_backward_overrideable(grad_output, input, weight, stride, padding, dilation, transposed,
+//                                   output_padding, groups, output_mask) -> (grad_input, grad_weight, grad_bias)
+void convolution_backward_body(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  auto n = stack->size();
+  auto weight = (*stack)[n - 8].toTensor();
+  const bool transposed = (*stack)[n - 4].toBool();
+  const int64_t groups = as_int((*stack)[n - 2]);
+  auto mask = (*stack)[n - 1].toBoolList();
+  std::array<bool, 3> output_mask = {mask[0], mask[1], mask[2]};
+  std::vector<int64_t> bias_sizes = {transposed ? weight.size(1) * groups : weight.size(0)};
+  auto r = at::convolution_backward((*stack)[n - 10].toTensor(), (*stack)[n - 9].toTensor(), weight, bias_sizes,
+                                    as_ints((*stack)[n - 7]), as_ints((*stack)[n - 6]), as_ints((*stack)[n - 5]),
+                                    transposed, as_ints((*stack)[n - 3]), groups, output_mask);
+  torch::jit::drop(*stack, 10);
+  torch::jit::push(*stack, std::get<0>(r), std::get<1>(r), std::get<2>(r));
+}
+
 template <Body body>
 void own_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   on_host(op, stack, body);
@@ -493,7 +539,6 @@ void own_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
 
 // --- the fused RNN cells that aten's LSTM and GRU call on PrivateUse1 devices (aten's CPU has no kernel) ---
 // Their arithmetic is CUDA's (aten/src/ATen/native/cuda/RNN.cu), in float32.
-at::Tensor optional_arg(const c10::IValue& v) { return v.isNone() ? at::Tensor() : v.toTensor(); }
 
 std::vector<at::Tensor> gates(const at::Tensor& ig, const at::Tensor& hg, const at::Tensor& b1,
                               const at::Tensor& b2, int64_t n) {
@@ -661,6 +706,10 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   static std::set<std::string> warned;
   const auto name = c10::toString(op.schema().operator_name());
   {
+    std::lock_guard<std::mutex> guard(fell_back_lock);
+    fell_back.insert(name);
+  }
+  {
     std::lock_guard<std::mutex> guard(lock);
     if (warned.insert(name).second) {
       TORCH_WARN("The operator '", name, "' is not currently supported on the DML backend and will fall back to run "
@@ -733,7 +782,8 @@ const int hooks_registered = register_hooks();
 // the rest of DirectML's list.
 const std::vector<std::string> kOwnKernels = {
     "empty.memory_format", "empty_strided", "_efficientzerotensor", "copy_", "_copy_from", "_copy_from_and_resize",
-    "_local_scalar_dense", "mm.out", "bmm.out", "addmm.out", "baddbmm.out", "dot", "exp.out"};
+    "_local_scalar_dense", "mm.out", "bmm.out", "addmm.out", "baddbmm.out", "dot", "exp.out",
+    "convolution_overrideable", "convolution_backward_overrideable"};
 // Not in DirectML's list, registered all the same: aten's LSTM and GRU call them on every PrivateUse1 device, and
 // aten's CPU has no kernel for them (a fallback would fail).
 const std::vector<std::string> kExtraKernels = {"_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl",
@@ -753,6 +803,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("baddbmm.out", torch::CppFunction::makeFromBoxedFunction<&own_kernel<&addmm_body>>());
   m.impl("dot", torch::CppFunction::makeFromBoxedFunction<&own_kernel<&dot_body>>());
   m.impl("exp.out", torch::CppFunction::makeFromBoxedFunction<&own_kernel<&exp_body>>());
+  m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&own_kernel<&convolution_body>>());
+  m.impl("convolution_backward_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&own_kernel<&convolution_backward_body>>());
   m.impl("_thnn_fused_lstm_cell", torch::CppFunction::makeFromBoxedFunction<&own_kernel<&lstm_cell_body>>());
   m.impl("_thnn_fused_lstm_cell_backward_impl",
          torch::CppFunction::makeFromBoxedFunction<&own_kernel<&lstm_cell_backward_body>>());
@@ -807,6 +860,13 @@ void reset_counters() {
   device_to_host = 0;
   host_to_device = 0;
   item_reads = 0;
+  std::lock_guard<std::mutex> guard(fell_back_lock);
+  fell_back.clear();
+}
+
+std::vector<std::string> fallback_ops() {
+  std::lock_guard<std::mutex> guard(fell_back_lock);
+  return {fell_back.begin(), fell_back.end()};
 }
 
 at::Generator device_default_generator() { return default_generator(); }
@@ -820,5 +880,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_autograd_reshape", &standin::register_autograd_reshape);
   m.def("counters", &standin::counters);
   m.def("reset_counters", &standin::reset_counters);
+  m.def("fallback_ops", &standin::fallback_ops);
   m.def("default_generator", &standin::device_default_generator);
 }
