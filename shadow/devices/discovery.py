@@ -117,6 +117,27 @@ def best_device() -> torch.device:
     return choose().torch_device()
 
 
+@functools.lru_cache(maxsize=None)  # a device type holds the same dtypes all process long
+def _holds(device_type: str, dtype: torch.dtype) -> bool:
+    if device_type in ("cpu", "meta"):
+        return True
+    try:  # an empty tensor: no values asked of the device
+        torch.empty(0, dtype=dtype, device=device_type)
+    except Exception:
+        return False
+    return True
+
+
+def holds_dtype(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can live on ``device``'s type: DirectML has no float64 and no bfloat16, MPS no
+    float64. Asked once per device type and dtype (one empty tensor), then cached.
+
+    >>> holds_dtype("cpu", torch.float64)
+    True
+    """
+    return _holds(torch.device(device).type, dtype)
+
+
 def _describe(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__

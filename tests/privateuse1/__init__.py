@@ -117,7 +117,13 @@ def counters() -> dict[str, int]:
 
 
 def reset_counters() -> None:
+    """Zero the counters and forget the ops run through the fallback."""
     extension().reset_counters()
+
+
+def fallback_ops() -> set[str]:
+    """The ops ("aten::lerp.Scalar_out") the backend ran through its CPU fallback since ``reset_counters()``."""
+    return set(extension().fallback_ops())
 
 
 def device_kernels() -> frozenset[str]:
@@ -125,3 +131,17 @@ def device_kernels() -> frozenset[str]:
     cells aten's LSTM and GRU call on any PrivateUse1 device (``extra_kernels``)."""
     ext = extension()
     return frozenset(n for n in DIRECTML_OPS if _exists(n)) | frozenset(ext.extra_kernels())
+
+
+def _engine_mark():
+    import pytest
+
+    return pytest.mark.xfail(strict=True, reason=(
+        "shadow's own copies ask the device for float64, which DirectML refuses: Mirror._adopt and Mirror.assign "
+        "(shadow/mirror.py) and shadow.scratch.copy convert with t.to(device=cpu, dtype=float64), and spot checks' "
+        "_gather (shadow/spot/verdict.py) with .to('cpu', torch.float64): cross in the device's dtype, then "
+        "upcast on the CPU"))
+
+
+# tests that run ShadowMode on the device: they fail until shadow's own copies stop converting on the device
+NEEDS_HOST_UPCAST = _engine_mark()
