@@ -276,14 +276,17 @@ def test_shadows_stay_on_the_cpu_and_values_cross_once_per_version(dml):
     assert copies.transfers < 2 * calls  # each result read once for both comparisons and again as an input
 
 
-# shadow's own host traffic on a two-step MLP (forward, backward, foreach Adam), beyond the program's own: every
-# device-to-host copy should be a batched transfer (HostCopies) or a first sight of a storage; no host-to-device copy
-# and no .item() read. Measured with the engine's float64 fixes applied: 142 D2H = 111 transfers (62 batches) + 18
-# spot checks' gathers + 5 adoptions + 4 fused-pass reads of a result + 4 metrics._flat_list reads; 36 H2D, all
-# spot checks' index tensors; 6 .item(): 4 spot checks of 0-d results, 2 trajectory reads of the loss.
+# shadow's own host traffic on a two-step MLP (forward, backward, foreach Adam), beyond the program's own. Measured
+# with shadow's float64 copies fixed: 200 device-to-host copies = 157 batched transfers (HostCopies, 72 batches)
+# + 24 spot checks gathering sampled elements on the device (verdict._gather) + 10 reads of a device result by the
+# fused comparison (_fused._on_cpu) + 6 first sights of a device storage (Mirror._adopt) + 2 metrics._flat_list
+# reads + 1 more; 48 host-to-device copies, the spot checks' index tensors; 6 .item() reads, 4 spot checks of 0-d
+# results and 2 trajectory reads of the loss. The target: every device value crosses in a HostCopies batch or at a
+# storage's first sight, nothing goes to the device, nothing is read with .item().
 @pytest.mark.xfail(strict=True, reason="spot checks gather sampled device elements on the device (index tensors "
                    "sent there, values read back) instead of reading the host copy; the fused pass and "
-                   "metrics._flat_list read device results again; the trajectory reads the loss with .item()")
+                   "metrics._flat_list read device results again; the trajectory reads the loss with .item(); and "
+                   "shadow's own copies ask the device for float64 (NEEDS_HOST_UPCAST)")
 def test_shadows_own_copies_are_counted(dml):
     model = mlp().to(dml)
     reset_counters()
@@ -295,7 +298,9 @@ def test_shadows_own_copies_are_counted(dml):
         adam_steps(model, dml)
     own = {k: counters()[k] - plain[k] for k in ("device_to_host", "host_to_device", "item")}
     engine = sm._engine
-    assert own == {"device_to_host": engine.copies.transfers + engine.mirror.adopted, "host_to_device": 0, "item": 0}
+    assert sm.report.coverage.internal_errors == 0 and engine.copies.transfers > 0
+    assert own["device_to_host"] <= engine.copies.transfers + engine.mirror.adopted
+    assert own["host_to_device"] == 0 and own["item"] == 0
 
 
 @NEEDS_HOST_UPCAST
