@@ -717,6 +717,15 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   const auto& args = op.schema().arguments();
+#if !STANDIN_HOOKS_2_5
+  // torch 2.4's cpu_fallback fails writing a mutable tensor list back (_fused_adam_'s): run those ops in place
+  for (const auto& a : args) {
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite() && a.type()->kind() == c10::TypeKind::ListType) {
+      on_host(op, stack, &cpu_kernel);
+      return;
+    }
+  }
+#endif
   const auto begin = stack->size() - args.size();
   for (size_t i = 0; i < args.size(); ++i) {
     if (is_generator_arg(args[i])) {
