@@ -7,7 +7,6 @@ what it ran through its fallback and of the copies asked of it.
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from shadow.cli import main
 
 from corpus import build
 from corpus import run as run_program
+from models import train_steps
 from privateuse1 import NEEDS_HOST_UPCAST, counters, device, fallback_ops, reset_counters
 
 pytestmark = [pytest.mark.privateuse1, pytest.mark.usefixtures("one_thread")]
@@ -68,15 +68,8 @@ def adam_steps(model: nn.Module, d, steps: int = 2, **adam) -> list[torch.Tensor
     x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
     x, y = x.to(d, next(model.parameters()).dtype), y.to(d)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
     model.opt = opt  # for the state comparison
-    return losses
+    return train_steps(model, opt, [(x, y)] * steps, F.cross_entropy)
 
 
 def state(model: nn.Module) -> dict[str, torch.Tensor]:
