@@ -22,6 +22,7 @@ why (tests/conftest.py), except under CI, where they fail.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -101,6 +102,7 @@ def load(name: str = NAME):
         from . import runtime
 
         torch._register_device_module(name, runtime.module(ext))
+        atexit.register(runtime.let_autograd_threads_finish)
     return ext
 
 

@@ -3,6 +3,7 @@ synchronous device whose default generator is the extension's."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import torch
@@ -27,3 +28,11 @@ def module(ext) -> types.ModuleType:
     mod.set_rng_state = lambda state, device=None: generator.set_state(state)
     mod.default_generator = generator
     return mod
+
+
+def let_autograd_threads_finish() -> None:
+    """At exit, give up the GIL for a moment. Autograd runs a device's backward on a thread of its own, which drops
+    its last reference to the finished graph (and Python objects it holds) just after backward returns: if Python
+    is finalizing by then, that thread cannot take the GIL and the process aborts ("terminate called without an
+    active exception"), as it did in about a third of the short scripts that exit right after a backward."""
+    time.sleep(0.05)
