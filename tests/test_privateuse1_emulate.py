@@ -37,8 +37,9 @@ def bit_patterns(n: int) -> torch.Tensor:
 @pytest.mark.parametrize("rounding", list(Rounding))
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_integer_rounding_is_the_float64_rounding_bit_for_bit(fmt, rounding):
-    """round_f32 (integer arithmetic on float32 bits) against round_f64 (float64), on 200,000 random patterns."""
-    x = bit_patterns(200_000)
+    """round_f32 (integer arithmetic on float32 bits) against round_f64 (float64), on 50,000 random patterns (2M
+    agreed too, once: 1.8 s a format and rounding)."""
+    x = bit_patterns(50_000)
     a = round_f32(x, fmt, rounding)
     b = round_f64(x.double(), fmt, rounding).float()
     finite = torch.isfinite(x)
