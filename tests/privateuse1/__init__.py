@@ -140,9 +140,10 @@ def _engine_mark():
 
     return pytest.mark.xfail(strict=True, reason=(
         "shadow's own copies ask the device for float64, which DirectML refuses: Mirror._adopt and Mirror.assign "
-        "(shadow/mirror.py) and shadow.scratch.copy convert with t.to(device=cpu, dtype=float64), and spot checks' "
-        "_gather (shadow/spot/verdict.py) with .to('cpu', torch.float64): cross in the device's dtype, then "
-        "upcast on the CPU"))
+        "(shadow/mirror.py) and shadow.scratch.copy convert with t.to(device=cpu, dtype=float64); spot checks' "
+        "_gather (shadow/spot/verdict.py), attribution's _read (share.py) and split_rounding (adjoint.py), the "
+        "audit's Ranges.observe (precision/ranges.py) with .to('cpu', torch.float64): cross in the device's dtype, "
+        "then upcast on the CPU"))
 
 
 # tests that run ShadowMode on the device: they fail until shadow's own copies stop converting on the device
