@@ -58,7 +58,8 @@ AUTO_FREE_SHARE = 2 / 3
 
 def parse_shadow_device(value: Any) -> str | torch.device:
     """``"auto"``, or the device ``value`` names (a string or a ``torch.device``), checked: a device type torch
-    knows, with float64 compute, available on this machine. ``"cuda"`` means the current CUDA device."""
+    knows, with float64 compute, available on this machine, not a PrivateUse1 backend (DirectML, or one renamed
+    such as Ascend's "npu": their shadows stay on the CPU). ``"cuda"`` means the current CUDA device."""
     if isinstance(value, str) and value == AUTO:
         return AUTO
     expected = ("expected 'auto' (shadows on a CUDA device when it has the memory, else on the CPU), 'cpu', "
@@ -76,6 +77,10 @@ def parse_shadow_device(value: Any) -> str | torch.device:
     if device.type in NO_FLOAT64:
         raise ShadowOptionError(f"shadow_device={value!r}: {NO_FLOAT64[device.type]}, so shadows cannot live "
                                 "there; use 'auto' (shadows of such devices' tensors stay on the CPU) or 'cpu'")
+    if device.type == torch._C._get_privateuse1_backend_name():  # renamed (Ascend's "npu"): shadows are CPU-side
+        raise ShadowOptionError(f"shadow_device={value!r}: the PrivateUse1 backend {device.type!r} (privateuseone "
+                                "renamed) is a device whose tensors shadow reads over to the CPU, not one shadows can "
+                                "live on; use 'auto' (its tensors' shadows stay on the CPU) or 'cpu'")
     if device.type == "cpu":
         return CPU
     backend = getattr(torch, device.type, None)

@@ -148,8 +148,9 @@ def test_directml_loaded_without_an_adapter_and_its_real_registrations():
     assert ops["add.Tensor"] == "device" and ops["add_.Tensor"] == "device" and ops["mm.default"] == "device"
     # neither erfinv(.out) nor the fused Adam kernel is registered by DirectML: the CPU fallback runs them
     assert ops["erfinv.default"] == "fallback" and ops["_fused_adam_.default"] == "fallback"
-    # composites: linear calls other ops; convolution reaches DirectML's convolution_overrideable
-    assert ops["linear.default"] == "composite" and ops["_foreach_add_.List"] == "composite"
+    # composites: linear calls other ops; convolution reaches DirectML's convolution_overrideable; a foreach op's
+    # default kernel loops over its per-tensor op (add_.Tensor: DirectML's add.out)
+    assert ops["linear.default"] == "composite" and ops["_foreach_add_.List"] == "device"
     assert ops["convolution.default"] == "device"
 
 

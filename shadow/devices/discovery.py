@@ -2,9 +2,10 @@
 
 ``discover()`` probes each backend (cpu, cuda, mps, xpu, directml) and returns one ``Backend`` record
 each: available or not, the reason in plain words, the torch device, its name and whether it computes
-in float64. It never raises: a broken backend (a native library that fails to load, a driver error) is
-a finding, reported in ``reason``. ``choose()`` picks the device ``shadow demo`` uses; ``python -m shadow
-doctor`` renders all of it.
+in float64; then one more for a PrivateUse1 backend other than DirectML registered in this process (Ascend's
+``npu``, PyTorch's ``openreg``, shadow's test stand-in), listed under its own name. It never raises: a broken
+backend (a native library that fails to load, a driver error) is a finding, reported in ``reason``. ``choose()``
+picks the device ``shadow demo`` uses; ``python -m shadow doctor`` renders all of it.
 
 >>> [b.name for b in discover() if b.available]          # on a machine without GPU
 ['cpu']
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import re
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -31,7 +33,9 @@ import torch
 from .. import _compat
 
 BACKENDS = ("cpu", "cuda", "mps", "xpu", "directml")  # probed and listed in this order
-PREFERENCE = ("cuda", "mps", "xpu", "directml", "cpu")  # demo takes the first available
+# demo takes the first available; a PrivateUse1 backend registered in this process (listed after BACKENDS, under its
+# own name) comes before the CPU
+PREFERENCE = ("cuda", "mps", "xpu", "directml", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +46,13 @@ class Backend:
     device(type='cpu')
     """
 
-    name: str  # one of BACKENDS
+    name: str  # one of BACKENDS, or the name of a PrivateUse1 backend registered in this process ("npu")
     available: bool
     reason: str  # plain words: what was found, or why it cannot be used
     device: str = ""  # the torch device: "cuda:0", "privateuseone:0" for DirectML; "" when unavailable
     device_name: str = ""  # "NVIDIA H100 80GB HBM3", the CPU's model name...; "" when unknown
     float64: bool | None = None  # whether the device computes in float64 (None: unavailable, or unknown)
+    cpu_fallback: bool | None = None  # whether ops without a kernel of the device's own run on the CPU (None: unknown)
 
     def torch_device(self) -> torch.device:
         """The device to put tensors on (raises ValueError for an unavailable backend)."""
@@ -79,29 +84,58 @@ def discover() -> list[Backend]:
     True
     """
     found = []
-    for name in BACKENDS:
+    for name, probe in [*((name, _PROBES[name]) for name in BACKENDS), (_privateuse1_name(), _privateuse1)]:
         try:
             with warnings.catch_warnings():  # reasons go into the record, not onto the user's terminal
                 warnings.simplefilter("ignore")
-                found.append(_PROBES[name]())
+                backend = probe()
         except Exception as exc:  # a broken backend is a finding, never an error
-            found.append(Backend(name, False, f"probing it failed: {_describe(exc)}"))
+            backend = Backend(name, False, f"probing it failed: {_describe(exc)}")
+        if backend is not None:
+            found.append(backend)
     return found
 
 
 def choose(backends: list[Backend] | None = None) -> Backend:
-    """The backend ``shadow demo`` uses: the first available in ``PREFERENCE``."""
+    """The backend ``shadow demo`` uses: the first available in ``PREFERENCE``, a PrivateUse1 backend registered in
+    this process before the CPU."""
     backends = discover() if backends is None else backends
     by_name = {b.name: b for b in backends}
     for name in PREFERENCE:
+        if name == "cpu":
+            other = next((b for b in backends if b.name not in BACKENDS and b.available), None)
+            if other is not None:
+                return other
         if name in by_name and by_name[name].available:
             return by_name[name]
     return next(b for b in backends if b.name == "cpu")
 
 
 def best_device() -> torch.device:
-    """cuda if available, else mps, else xpu, else DirectML, else cpu."""
+    """cuda if available, else mps, else xpu, else DirectML, else a PrivateUse1 backend registered in this process,
+    else cpu."""
     return choose().torch_device()
+
+
+@functools.lru_cache(maxsize=None)  # a device type holds the same dtypes all process long
+def _holds(device_type: str, dtype: torch.dtype) -> bool:
+    if device_type in ("cpu", "meta"):
+        return True
+    try:  # an empty tensor: no values asked of the device
+        torch.empty(0, dtype=dtype, device=device_type)
+    except Exception:
+        return False
+    return True
+
+
+def holds_dtype(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can live on ``device``'s type: DirectML has no float64 and no bfloat16, MPS no
+    float64. Asked once per device type and dtype (one empty tensor), then cached.
+
+    >>> holds_dtype("cpu", torch.float64)
+    True
+    """
+    return _holds(torch.device(device).type, dtype)
 
 
 def _describe(exc: BaseException) -> str:
@@ -231,6 +265,40 @@ def _directml() -> Backend:
     reason = f"{installed}, {n} DirectX 12 adapter{'s' if n > 1 else ''}" + \
         ("" if fp64 else "; no float64 on the device (shadows live on the CPU anyway)")
     return Backend("directml", True, reason, str(dml.device(found["index"])), found["name"], fp64)
+
+
+def _privateuse1_name() -> str:
+    return torch._C._get_privateuse1_backend_name()
+
+
+def _privateuse1() -> Backend | None:
+    """A PrivateUse1 backend registered in this process (it registers an ``empty`` kernel), other than DirectML's
+    (the directml probe's): under its own name, with what its dispatcher registrations and one empty float64
+    tensor say. None when there is none."""
+    name = _privateuse1_name()
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::empty.memory_format", "PrivateUse1"):
+        return None
+    if "torch_directml" in sys.modules:
+        return None
+    module = getattr(torch, name, None)
+    count = module.device_count() if module is not None and hasattr(module, "device_count") else None
+    if count == 0:
+        return Backend(name, False, f"a PrivateUse1 backend named {name!r} is registered, but torch.{name}"
+                                    ".device_count() is 0")
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    device = torch.device(name, index)
+    ops = sum(n.startswith("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key("PrivateUse1"))
+    fallback = torch._C._dispatch_has_backend_fallback(torch._C.DispatchKey.PrivateUse1)
+    try:  # no values asked of the device: an empty tensor, refused where the backend has no float64 at all
+        torch.empty(0, dtype=torch.float64, device=device)
+        fp64, no_fp64 = True, ""
+    except Exception as exc:
+        fp64, no_fp64 = False, f"; no float64 on the device ({_describe(exc)})"
+    rest = "the others run through its CPU fallback" if fallback else "no CPU fallback: the others raise"
+    devices = f"{count} device{'s' if count != 1 else ''}, " if count is not None else ""
+    reason = f"a PrivateUse1 backend registered in this process: {devices}{ops} aten ops with kernels of its own, " \
+             f"{rest}{no_fp64}"
+    return Backend(name, True, reason, str(device), name, fp64, fallback)
 
 
 # torch-directml is probed in a child process: without an adapter, its device_count() sometimes raises and

@@ -66,8 +66,31 @@ def _kernel_source(func: torch._ops.OpOverload, key: str) -> KernelSource:
         out = _out_variant(func)
         return _kernel_source(out, key) if out is not None else KernelSource.COMPOSITE
     if has(name, "CompositeExplicitAutograd") or has(name, "CompositeImplicitAutograd"):
-        return KernelSource.COMPOSITE
+        each = _per_tensor(func)  # a foreach op's default kernel loops over the per-tensor op
+        return _kernel_source(each, key) if each is not None else KernelSource.COMPOSITE
     return KernelSource.FALLBACK
+
+
+# how a foreach overload's arguments name the per-tensor overload its default kernel calls
+_PER_TENSOR_OVERLOADS = {"List": ("Tensor",), "ScalarList": ("Scalar", "default"), "Scalar": ("Scalar", "default"),
+                         "Tensor": ("Tensor", "default"), "default": ("default",)}
+
+
+def _per_tensor(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The op a foreach op's CompositeExplicitAutograd kernel calls on each tensor (``_foreach_lerp_.Scalar`` ->
+    ``lerp_.Scalar``, ``_foreach_add_.List`` -> ``add_.Tensor``), or None (not a foreach op, or no such op): on a
+    backend without the foreach kernel, that op's kernel source is the foreach op's (Adam's ``_foreach_lerp_``
+    on DirectML runs the CPU fallback's ``lerp``)."""
+    packet_name = func.name().split("::")[-1].split(".")[0]
+    if not packet_name.startswith("_foreach_"):
+        return None
+    packet = getattr(torch.ops.aten, packet_name.removeprefix("_foreach_"), None)
+    if packet is None:
+        return None
+    for overload in _PER_TENSOR_OVERLOADS.get(func._overloadname, ()):
+        if overload in packet.overloads():
+            return getattr(packet, overload)
+    return None
 
 
 def _out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..devices import holds_dtype
 from ..errors import ShadowOptionError
 from ..plan import OpPlan, flat_returns, plan_of
 from .emulate._utils import _floating
@@ -91,13 +92,16 @@ class FaultMode(Selecting):
         targets += [t for spec, t in flat_returns(plan, out) if not (spec.aliases_write or spec.aliases_read)]
         targets = [t for t in targets if isinstance(t, torch.Tensor) and _floating(t) and t.numel()]
         for t in targets:
-            t.copy_(t.to(torch.complex128 if t.is_complex() else torch.float64) * self._factor(t))
+            # the product in float64 where float64 exists (a DirectML tensor's on the CPU), rounded once to t's dtype
+            home = t.device if holds_dtype(t.device, torch.float64) else torch.device("cpu")
+            wide = t.to(home).to(torch.complex128 if t.is_complex() else torch.float64)
+            t.copy_((wide * self._factor(t, home)).to(t.dtype))
         if targets:
             self.injected[plan.name] = self.injected.get(plan.name, 0) + 1
 
-    def _factor(self, t: torch.Tensor) -> Any:
+    def _factor(self, t: torch.Tensor, home: torch.device) -> Any:
         if not self.random_sign:
             return 1.0 + self.rel
         self._generator.manual_seed(self.seed)
         sign = torch.randint(0, 2, t.shape, generator=self._generator, dtype=torch.float64).mul_(2).sub_(1)
-        return sign.mul_(self.rel).add_(1.0).to(t.device)
+        return sign.mul_(self.rel).add_(1.0).to(home)

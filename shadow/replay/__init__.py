@@ -1,6 +1,7 @@
 """How each aten op is recomputed in float64: the rule table (``table``), the rules for views,
 uninitialized memory and randomness (``rules``), and fused device kernels with no float64 CPU kernel
-(``attention``: the scaled-dot-product-attention family; ``kernels``: oneDNN LSTM)."""
+(``attention``: the scaled-dot-product-attention family; ``kernels``: oneDNN LSTM, the fused LSTM and GRU
+cells)."""
 
 import torch
 

@@ -1,5 +1,9 @@
 """Number formats (TF32, bfloat16, float16) and rounding to them: pure functions of a tensor, the rounding
-rule explicit."""
+rule explicit.
+
+The rounding runs where the tensor lives, exactly: one cast where torch has the format's dtype on that device, else
+in float64 (``round_f64``), or, on a device without float64 (DirectML), on the float32 bit patterns with integer
+arithmetic (``round_f32``)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import enum
 
 import torch
 
+from ...devices import holds_dtype
 from ...errors import ShadowOptionError
 
 
@@ -77,10 +82,14 @@ def round_to(x: torch.Tensor, fmt: Format, rounding: str | Rounding = "rne") -> 
         return torch.complex(round_to(x.real, fmt, rounding), round_to(x.imag, fmt, rounding))
     if not x.is_floating_point():
         return x
-    if rounding is Rounding.NEAREST_EVEN and fmt.dtype is not None and x.dtype in _TORCH_CASTS_EXACTLY:
+    if rounding is Rounding.NEAREST_EVEN and fmt.dtype is not None and x.dtype in _TORCH_CASTS_EXACTLY \
+            and holds_dtype(x.device, fmt.dtype):
         # one correctly rounded cast (float64 sources would go through float32 first: a double rounding)
         return x.to(fmt.dtype).to(x.dtype)
-    r = round_f64(x.to(torch.float64, copy=True), fmt, rounding).to(x.dtype)
+    if x.dtype is not torch.float64 and not holds_dtype(x.device, torch.float64):
+        r = round_f32(x.float(), fmt, rounding).to(x.dtype)  # the halves widen to float32 exactly
+    else:
+        r = round_f64(x.to(torch.float64, copy=True), fmt, rounding).to(x.dtype)
     return torch.where(x.abs() < float("inf"), r, x)  # NaN payloads kept bit for bit
 
 
@@ -108,6 +117,47 @@ def round_f64(s: torch.Tensor, fmt: Format, rounding: Rounding) -> torch.Tensor:
     else:
         r = torch.where(r.abs() > fmt.max, torch.copysign(torch.full_like(r, float("inf")), r), r)
     return torch.where(s.abs() < float("inf"), r, s)  # inf and NaN kept (cheaper than isfinite)
+
+
+def round_f32(x: torch.Tensor, fmt: Format, rounding: Rounding) -> torch.Tensor:
+    """A float32 tensor rounded to ``fmt``, still float32, in integer arithmetic on its bit patterns (for devices
+    without float64). ``fmt`` must be no wider than float32 (at most 24 significand bits, emin >= -126).
+
+    The value is sig * 2**(e - 23), sig the 24-bit significand with its implicit bit (float32 subnormals: e = -126,
+    no implicit bit); ``fmt``'s spacing there is 2**(max(e, emin) - precision + 1), so the low d bits of sig go,
+    rounded as asked, and the kept part scales back exactly (a multiple of the spacing with at most 24 bits).
+
+    >>> round_f32(torch.tensor([1 + 2**-11, 1 + 3 * 2**-12, 2.0**-25]), FP16, Rounding.NEAREST_EVEN).tolist()
+    [1.0, 1.0009765625, 0.0]
+    """
+    if fmt.precision > 24 or fmt.emin < -126:
+        raise ValueError(f"round_f32: {fmt.name} is wider than float32")
+    mag = x.view(torch.int32) & 0x7FFFFFFF
+    field = mag >> 23
+    e = field.clamp(min=1) - 127  # the binade (float32 subnormals: that of the smallest normal)
+    d = (e.clamp(min=fmt.emin) - e + (24 - fmt.precision)).clamp_(max=25)  # bits to drop: sig < 2**24 <= half
+    sig = torch.where(field > 0, (mag & 0x7FFFFF) | 0x800000, mag)
+    one = torch.ones_like(d) << d
+    half, low = one >> 1, sig & (one - 1)
+    if rounding is Rounding.NEAREST_EVEN:
+        up = (low > half) | ((low == half) & ((sig & one) != 0))
+    elif rounding is Rounding.NEAREST_AWAY:
+        up = low >= half
+    else:
+        up = torch.zeros_like(low, dtype=torch.bool)
+    kept = (sig - low + torch.where(up, one, 0)).float()  # exact: at most 24 significant bits (2**24 on a carry)
+    s = e - 23  # the scale 2**s, built in two exact steps where 2**s is a float32 subnormal
+    tiny = s < -100
+    r = kept * _pow2(torch.where(tiny, s + 64, s)) * torch.where(tiny, 2.0**-64, 1.0)
+    r = torch.copysign(r, x)  # a negative value that rounds to 0 is -0
+    if rounding is Rounding.TOWARD_ZERO:
+        return r.clamp(-fmt.max, fmt.max)
+    return torch.where(r.abs() > fmt.max, torch.copysign(torch.full_like(r, float("inf")), r), r)
+
+
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2.0**n as float32 for integer n in [-126, 127], from its exponent bits."""
+    return ((n + 127) << 23).view(torch.float32)
 
 
 def to_tf32(x: torch.Tensor, rounding: str | Rounding = "rne") -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...devices import holds_dtype
 from ...errors import ShadowOptionError
 from ...opsets import MATMULS, Matmul
 from ...plan import OpPlan
@@ -100,7 +101,13 @@ def _fp16_rule(compute: Callable[..., torch.Tensor | None]) -> Rule:
 
     @functools.wraps(compute)
     def rule(plan: OpPlan, args: tuple, kwargs: dict, options: FP16AccumOptions) -> Any:
-        r = compute(plan, args, kwargs, options)
+        device = next((t.device for _, t in plan.tensors(args, kwargs)), None)
+        if device is None or holds_dtype(device, torch.float64):
+            r = compute(plan, args, kwargs, options)
+        else:  # a device without float64 (DirectML): the float64 steps on CPU copies, the float16 result back
+            host_args, host_kwargs = plan.map_tensors(args, kwargs, lambda t, _: t.to("cpu"))
+            r = compute(plan, host_args, host_kwargs, options)
+            r = None if r is None else r.to(device)
         return NotImplemented if r is None else _write_back(plan, args, kwargs, r)
 
     return rule

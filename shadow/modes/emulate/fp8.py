@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ...devices import holds_dtype
 from ...opsets import MATMULS, Matmul
 from ...plan import OpPlan, flat_returns, plan_of
 from ...rules import RuleTable
@@ -30,7 +31,8 @@ def quantize(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     if not amax or amax == float("inf") or amax != amax:
         return t.clone()
     scale = fmt.max / amax
-    return round_to(t.to(torch.float64) * scale, fmt).div_(scale).to(t.dtype)
+    home = t.device if holds_dtype(t.device, torch.float64) else torch.device("cpu")  # DirectML: on the CPU
+    return round_to(t.to(home).to(torch.float64) * scale, fmt).div_(scale).to(t.dtype).to(t.device)
 
 
 class _Tensors:
