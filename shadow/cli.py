@@ -41,6 +41,7 @@ from .modes.emulate import EMULATIONS
 from .options import FOLLOW
 from .records import Phase
 from .report import VIEWS, Report
+from .scratch import copy
 
 DEVICES = ("auto",) + _devices.BACKENDS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -576,7 +577,7 @@ def _doctor_table(backends: list) -> str:
 
 
 def _rel_diff(p: torch.Tensor, s: torch.Tensor) -> float:
-    d = p.to("cpu", torch.float64) - s
+    d = copy(p, torch.float64, "cpu") - s
     return (torch.linalg.vector_norm(d) / torch.linalg.vector_norm(s).clamp_min(torch.finfo(torch.float64).tiny)).item()
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .scratch import copy
+
 # The fused comparison pass needs numba; without it (no wheel for the platform, a broken install) compare
 # takes the numpy and torch paths below: slower, the same figures. FUSED_UNAVAILABLE says why.
 try:
@@ -148,7 +150,7 @@ def host(t: torch.Tensor) -> np.ndarray:
             return np.from_dlpack(t.detach() if t.requires_grad else t)
         except (RuntimeError, BufferError, TypeError):  # conjugate/negative views cannot be exported
             pass
-    return t.to(device="cpu", dtype=torch.complex128 if t.is_complex() else torch.float64, copy=True).numpy()
+    return copy(t, torch.complex128 if t.is_complex() else torch.float64, "cpu").numpy()
 
 
 _TINY = 64  # elements: below this a Python loop beats numpy's and torch's calls (scalars, biases, optimizer steps)
@@ -265,7 +267,7 @@ def _off_cpu(r: torch.Tensor) -> bool:
 
 def _zero_references(stats: ErrorStats, y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> None:
     """Count the elements whose reference is exactly 0 where the device is not, and the max ulp of the rest."""
-    yc = y.detach().to(device=r.device, dtype=r.dtype).reshape(-1)
+    yc = copy(y, r.dtype, r.device).reshape(-1)
     rc = r.reshape(-1)
     d = (yc - rc).abs()
     finite = torch.isfinite(d)
@@ -289,7 +291,7 @@ def _flat_lists(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None) ->
     """``_flat_list`` of y, r (and the bound) of a reference off the CPU, read back in one transfer: y upcast
     exactly to r's dtype beside r, where r lives."""
     n = r.numel()
-    parts = [y.detach().to(device=r.device, dtype=r.dtype).reshape(-1), r.reshape(-1)]
+    parts = [copy(y, r.dtype, r.device).reshape(-1), r.reshape(-1)]
     if bound is not None:
         parts.append(bound.to(device=r.device, dtype=r.dtype).reshape(-1))
     values = torch.cat(parts).tolist()
@@ -448,7 +450,7 @@ def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
     if m == 0.0:
         return stats
     if not math.isfinite(m):  # rare: redo it on the elements where both are finite
-        yc = y.to(device=r.device, dtype=torch.float64)
+        yc = copy(y, torch.float64, r.device)
         both = _count_nonfinite(stats, yc, r, torch.isfinite, torch.isnan, lambda b: int(b.sum()))
         if not bool(both.any()):
             return stats
@@ -456,7 +458,7 @@ def _compare_torch(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
     if bound is not None:
         used = max(-values[2], values[3])
         if math.isnan(used):  # 0/0: exact where the bound is 0 (rare: a second pass only then)
-            q = torch.div(y.to(device=r.device, dtype=torch.float64) - r, bound)
+            q = torch.div(copy(y, torch.float64, r.device) - r, bound)
             lo, hi = torch.aminmax(q.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF))
             used = max(-lo.item(), hi.item())
         stats.budget_used = used

@@ -287,7 +287,7 @@ class Mirror:
     def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()
         n = st.nbytes() // itemsize
-        base = _storage_values(t, n).to(device=self.place(t.device), dtype=self.shadow_dtype(t.dtype), copy=True)
+        base = copy(_storage_values(t, n), self.shadow_dtype(t.dtype), self.place(t.device))
         if old is None:
             self.adopted += 1
             e = _Entry(st, base, itemsize, exact=True, writes=0, nonfinite=any_nonfinite(base))
@@ -357,7 +357,7 @@ class Mirror:
         ):
             base = value if value.dim() == 1 else value.reshape(-1)
         else:  # the output does not cover its storage: the rest is what the device holds
-            base = _storage_values(t, n).to(device=self.place(t.device), dtype=sd, copy=True)
+            base = copy(_storage_values(t, n), sd, self.place(t.device))
             _write_region(base, t, value)
         new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
                      nonfinite if numel == n else nonfinite or any_nonfinite(_storage_values(t, n)))

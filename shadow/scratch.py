@@ -147,9 +147,14 @@ def _size_class(nbytes: int) -> int:
     return nbytes.bit_length() - 1
 
 
-def copy(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def copy(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """An exact copy of ``t`` in ``dtype`` on ``device`` (``.to`` keeps the layout of a dense tensor), never t
-    itself; zeros for an ``_efficientzerotensor``, which has no memory to read."""
+    itself; zeros for an ``_efficientzerotensor``, which has no memory to read. Across devices the values cross in
+    their own dtype and are converted where they arrive: a device without float64 (DirectML) refuses a copy that
+    converts to float64 on its side."""
     if t._is_zerotensor():
         return torch.zeros(t.shape, dtype=dtype, device=device)
-    return t.detach().to(device=device, dtype=dtype, copy=True)
+    t = t.detach()
+    if t.dtype != dtype and t.device != torch.device(device):
+        return t.to(device=device, copy=True).to(dtype)
+    return t.to(device=device, dtype=dtype, copy=True)

@@ -15,7 +15,7 @@ from shadow.modes import FaultMode
 from shadow.modes.emulate import EMULATIONS, emulate
 from shadow.modes.emulate.formats import BF16, E4M3, E5M2, FP16, TF32, Rounding, round_f32, round_f64, round_to
 
-from privateuse1 import NEEDS_HOST_UPCAST, device
+from privateuse1 import device
 
 FORMATS = [TF32, BF16, FP16, E4M3, E5M2]
 SPECIAL = [0.0, -0.0, 65504.0, 65520.0, 65519.99, 448.0, 464.0, 480.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-149,
@@ -99,7 +99,6 @@ def test_fault_mode_on_the_device(dml, random_sign):
     assert torch.equal(outs[0], (F.gelu(x).double() * (1 + 1e-3)).float()) or random_sign
 
 
-@NEEDS_HOST_UPCAST
 @pytest.mark.privateuse1
 def test_a_fault_injected_on_the_device_is_found_where_it_was_put(dml):
     torch.manual_seed(5)
@@ -114,7 +113,6 @@ def test_a_fault_injected_on_the_device_is_found_where_it_was_put(dml):
     assert not any(r.over_budget for r in rep.records if r.op != "aten.gelu.default" and r.op.startswith("aten.gelu"))
 
 
-@NEEDS_HOST_UPCAST
 @pytest.mark.privateuse1
 def test_tf32_emulated_on_the_device_is_over_budget_under_shadow(dml):
     torch.manual_seed(6)
@@ -125,7 +123,6 @@ def test_tf32_emulated_on_the_device_is_over_budget_under_shadow(dml):
     assert sm.report.coverage.internal_errors == 0 and mm.over_budget and 8 < mm.budget.used
 
 
-@NEEDS_HOST_UPCAST
 @pytest.mark.privateuse1
 def test_the_audit_on_the_device_ranks_as_on_the_cpu(dml):
     """shadow.audit of a small MLP's loss on the device and on the CPU: the same parts, the same ranking by

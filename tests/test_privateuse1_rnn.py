@@ -19,7 +19,7 @@ from shadow.plan import plan_of
 from shadow.replay import Replay
 from shadow.replay import kernels
 
-from privateuse1 import NEEDS_HOST_UPCAST, device
+from privateuse1 import device
 
 pytestmark = [pytest.mark.privateuse1, pytest.mark.usefixtures("one_thread")]
 aten = torch.ops.aten
@@ -96,7 +96,6 @@ def test_the_lstm_backward_without_gradients(dml):
     assert RULES[op](Replay(plan_of(op), upcast(args), {}, None))[1] == (None, None, None)
 
 
-@NEEDS_HOST_UPCAST
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_lstm_and_gru_on_the_device_are_exact_against_float64(dml, cell):
     """Two layers, forward and backward under ShadowMode on the device: every fused cell replayed (none unsupported),

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..records import Phase, Record
+from ..scratch import copy
 
 _no_dispatch = torch._C._DisableTorchDispatch
 
@@ -37,7 +38,7 @@ def split_rounding(rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, torch.Ten
     d, r = o.device, o.reference
     if not isinstance(r, torch.Tensor) or r.shape != d.shape:
         return None
-    y = d.detach().to(r.device, torch.float64)
+    y = copy(d, torch.float64, r.device)
     rounded = correctly_rounded(y, r, d.dtype)
     return y - rounded, rounded - r
 

@@ -42,6 +42,7 @@ from ..records import Phase, Record
 from ..report import Report
 from .adjoint import Adjoints, Errors, leaves, split_rounding
 from .state import StepState
+from ..scratch import copy
 
 # attribute's own arithmetic reaches no mode: not its ShadowMode's, nor an emulated device's or a fault's around it
 _own = torch._C._DisableTorchDispatch
@@ -309,7 +310,7 @@ def _targets(out: Any, target: Any) -> list[torch.Tensor]:
 def _read(values: list[torch.Tensor], sm: ShadowMode | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's device values and (with ``sm``) its shadow, flattened to one float64 vector each."""
     with _own():
-        dev = torch.cat([v.detach().to("cpu", torch.float64).reshape(-1) for v in values])
+        dev = torch.cat([copy(v, torch.float64, "cpu").reshape(-1) for v in values])
         shadow = torch.cat([sm.shadow_of(v).reshape(-1) for v in values]) if sm is not None else None
     return dev, shadow
 

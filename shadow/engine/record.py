@@ -25,7 +25,7 @@ def record(engine: Engine, plan: OpPlan, kind: Kind, args: tuple, kwargs: dict, 
     (False: look it up); ``at``: (module, phase, call site) when the caller asked for them already."""
     module, phase, site = at if at is not None else engine.attribution.where(plan.func, args, kwargs, out,
                                                                              engine.index)
-    fallback = bool(inputs) and not inputs[0].is_cpu and inputs[0].device.type == "privateuseone" \
+    fallback = bool(inputs) and not inputs[0].is_cpu and inputs[0].device.type == torch._C._get_privateuse1_backend_name() \
         and cpu_fallback(plan.func, inputs[0].device)
     if result is False:
         result = first_tensor(plan, args, kwargs, out)

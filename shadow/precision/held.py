@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..devices import holds_dtype
 from ..modes.emulate import Emulation
 from ..modes.emulate._mode import Rule
 from ..modes.emulate._utils import computes, transform_io
@@ -88,7 +89,8 @@ def _native(fmt: Format, plan: OpPlan, args: tuple, kwargs: dict, options: HeldO
     where an input is wide."""
     dtype, up = fmt.dtype, options.upcasts
     floats = _floats(plan, args, kwargs)
-    if not floats or floats[0].dtype.itemsize <= dtype.itemsize or (up is not None and any(map(up.wide, floats))):
+    if not floats or floats[0].dtype.itemsize <= dtype.itemsize or (up is not None and any(map(up.wide, floats))) \
+            or not holds_dtype(floats[0].device, dtype):  # DirectML has no bfloat16: rounded instead (_rounded)
         return NotImplemented
     back = floats[0].dtype
     written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(narrow copy) -> (it, the argument)

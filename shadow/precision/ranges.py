@@ -11,6 +11,7 @@ import torch
 
 from ..modes.emulate.formats import Format
 from ..records import Phase, Record
+from ..scratch import copy
 
 _no_dispatch = torch._C._DisableTorchDispatch
 
@@ -50,7 +51,7 @@ class Ranges:
                 d = o.device
                 if not isinstance(d, torch.Tensor) or not d.is_floating_point() or not d.numel():
                     continue
-                a = d.detach().abs().to("cpu", torch.float64)
+                a = copy(d, torch.float64, "cpu").abs_()
                 a = a[torch.isfinite(a) & (a > 0) & (a != torch.finfo(d.dtype).max)]
                 if not a.numel():
                     continue

@@ -18,6 +18,7 @@ from ..errors import NoReference
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Exact, reference_for, to_float64, working_precision
 from ..references._table import READ_WHOLE
+from ..scratch import copy
 
 aten = torch.ops.aten
 
@@ -166,7 +167,7 @@ def _gather(t: torch.Tensor, flats: Sequence[int], coords: Sequence[tuple[int, .
             return [float(values[f]) for f in flats]
         return [float(t[c].item()) for c in coords]
     cols = tuple(torch.tensor(col, dtype=torch.int64, device=t.device) for col in zip(*coords))
-    return t.detach()[cols].to("cpu", torch.float64).tolist()
+    return copy(t[cols], torch.float64, "cpu").tolist()
 
 
 def _coords(flat: int, shape: Sequence[int]) -> tuple[int, ...]:

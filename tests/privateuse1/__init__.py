@@ -133,18 +133,3 @@ def device_kernels() -> frozenset[str]:
     cells aten's LSTM and GRU call on any PrivateUse1 device (``extra_kernels``)."""
     ext = extension()
     return frozenset(n for n in DIRECTML_OPS if _exists(n)) | frozenset(ext.extra_kernels())
-
-
-def _engine_mark():
-    import pytest
-
-    return pytest.mark.xfail(strict=True, reason=(
-        "shadow's own copies ask the device for float64, which DirectML refuses: Mirror._adopt and Mirror.assign "
-        "(shadow/mirror.py) and shadow.scratch.copy convert with t.to(device=cpu, dtype=float64); spot checks' "
-        "_gather (shadow/spot/verdict.py), attribution's _read (share.py) and split_rounding (adjoint.py), the "
-        "audit's Ranges.observe (precision/ranges.py) with .to('cpu', torch.float64): cross in the device's dtype, "
-        "then upcast on the CPU"))
-
-
-# tests that run ShadowMode on the device: they fail until shadow's own copies stop converting on the device
-NEEDS_HOST_UPCAST = _engine_mark()
