@@ -138,7 +138,7 @@ def test_unperturbed_bf16_step_both_methods_agree_on_the_top_three():
 
     linear, ablation = _both(net, opt, step)
     assert [r.key for r in linear.rows[:3]] == [r.key for r in ablation.rows[:3]]
-    top = linear.rows[0]
+    top = max(linear.rows, key=lambda r: abs(r.share))  # the largest error beyond a correct rounding
     assert top.key == "aten._scaled_dot_product_flash_attention_for_cpu.default" and abs(top.share) > 0.01
     assert _share(ablation, top.key) == pytest.approx(top.share, rel=0.2)
     for res in (linear, ablation):

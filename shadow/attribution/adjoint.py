@@ -19,6 +19,7 @@ ops (a loss computed before them does not depend on them); their share falls int
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable
 
@@ -37,9 +38,23 @@ def split_rounding(rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, torch.Ten
     d, r = o.device, o.reference
     if not isinstance(r, torch.Tensor) or r.shape != d.shape:
         return None
-    y = d.detach().to(r.device, torch.float64)
-    rounded = correctly_rounded(y, r, d.dtype)
-    return y - rounded, rounded - r
+    return split_error(d.detach().to(r.device, torch.float64), r, d.dtype)
+
+
+def split_error(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The error of a result y (upcast to float64 from ``dtype``) against its float64 reference r, in two parts
+    that add up to y - r: removable, y - round(r), and rounding, round(r) - r.
+
+    Where y and r are the same non-finite value (a mask's -inf in the float64 world too) both parts are 0: no
+    error, where y - r would be NaN. Where only one of them is finite (an overflow of the dtype) the parts are
+    not finite: an error no share can express, which the caller counts apart."""
+    rounded = correctly_rounded(y, r, dtype)
+    removable, rounding = y - rounded, rounded - r
+    if not (bool(removable.isfinite().all()) and bool(rounding.isfinite().all())):
+        same = (y == r) | (y.isnan() & r.isnan())
+        removable.masked_fill_(same, 0.0)
+        rounding.masked_fill_(same, 0.0)
+    return removable, rounding
 
 
 class Adjoints:
@@ -103,7 +118,7 @@ class Adjoints:
                     adj = adj.to(errors[0].device)
                     sums = self.contributions.setdefault(index, [0.0] * len(errors))
                     for i, e in enumerate(errors):
-                        sums[i] += float(torch.sum(adj * e))
+                        sums[i] += weighted(adj, e)
 
         return hook
 
@@ -116,6 +131,16 @@ class Adjoints:
             h.remove()
         self._handles.clear()
         self._errors.clear()
+
+
+def weighted(adjoint: torch.Tensor, error: torch.Tensor) -> float:
+    """sum(adjoint * error), where an element without error weighs nothing whatever its adjoint: a masked score's
+    adjoint may be NaN or infinite in the float64 world (0 * inf), and its error is 0. Not finite: an error that
+    is itself not finite, or a non-finite adjoint where the call made an error."""
+    total = float(torch.sum(adjoint * error))
+    if math.isfinite(total):
+        return total
+    return float(torch.sum(torch.where(error == 0, 0.0, adjoint * error)))
 
 
 def correctly_rounded(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
