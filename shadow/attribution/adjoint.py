@@ -45,16 +45,20 @@ def split_error(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> tuple[t
     """The error of a result y (upcast to float64 from ``dtype``) against its float64 reference r, in two parts
     that add up to y - r: removable, y - round(r), and rounding, round(r) - r.
 
-    Where y and r are the same non-finite value (a mask's -inf in the float64 world too) both parts are 0: no
-    error, where y - r would be NaN. Where only one of them is finite (an overflow of the dtype) the parts are
-    not finite: an error no share can express, which the caller counts apart."""
+    A part between two equal non-finite values is 0, where the subtraction reads NaN: a mask's -inf, the same in
+    the float64 world, carries no error, and a result that overflows as its correct rounding does (exp(12) in
+    float16) has no removable part. What is left non-finite (the rounding of that overflow, a NaN or infinity
+    only the device has) is an error no share expresses, which the caller counts apart."""
     rounded = correctly_rounded(y, r, dtype)
     removable, rounding = y - rounded, rounded - r
     if not (bool(removable.isfinite().all()) and bool(rounding.isfinite().all())):
-        same = (y == r) | (y.isnan() & r.isnan())
-        removable.masked_fill_(same, 0.0)
-        rounding.masked_fill_(same, 0.0)
+        removable.masked_fill_(_same(y, rounded), 0.0)
+        rounding.masked_fill_(_same(rounded, r), 0.0)
     return removable, rounding
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a == b) | (a.isnan() & b.isnan())
 
 
 class Adjoints:

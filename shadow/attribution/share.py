@@ -190,15 +190,18 @@ def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
 
 
 def _linear(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
-    run = adjoint_pass(step, target, options, lambda d: d / float(torch.dot(d, d)) if _finite_drift(d) else None)
+    # along D's direction, of norm 1: a seed that the target's dtype holds (1 / D overflows float16 for D < 2e-5)
+    run = adjoint_pass(step, target, options, lambda d: d / math.sqrt(_dot(d, d)) if _finite_drift(d) else None)
     with _own():
         d = run.t_dev - run.t_64
     dd = _dot(d, d)
     shares = _Shares(run.report, by)
-    for index, c in run.contributions.items():
-        rec = run.records[index]
-        shares.add(_key(rec, by), c[0] * run.factor, c[1] * run.factor,
-                   lambda: f"a non-finite sum of adjoint * error in call {index} (removable {c[0]}, rounding {c[1]})")
+    if _finite_drift(d):
+        scale = run.factor / math.sqrt(dd)  # a sum of adjoint * error -> its share, <D_k, D> / <D, D>
+        for index, c in run.contributions.items():
+            shares.add(_key(run.records[index], by), c[0] * scale, c[1] * scale,
+                       lambda: f"a non-finite sum of adjoint * error in call {index} (removable {c[0]}, rounding "
+                               f"{c[1]})")
     return _result("linear", by, run.report, run.t_64, d, dd, shares, ("forward", "other"), 1)
 
 
