@@ -43,7 +43,9 @@ MODELS = ("gpt2", "gpt2_eager", "llama_gqa", "bert", "t5", "vit", "gpt_masked_fi
 CASES = {"float32": (torch.float32, "train"), "bfloat16": (torch.bfloat16, "train"),
          "autocast": (torch.float32, "autocast_bf16")}
 # the module of each model whose fault moves the loss most (a float64 run with a 1 % fault in each leaf module);
-# before a training-mode BatchNorm a fault is normalized away, hence ResNet's BatchNorm
+# before a training-mode BatchNorm a fault is normalized away, hence ResNet's BatchNorm. The LSTM's own fault is
+# found too, but the float64 run computes nn.LSTM by its decomposition (each gate at each step, every op
+# perturbed) where the device runs one mkldnn_rnn_layer per layer: not the same fault, hence its head
 FAULT_MODULES = {
     "gpt2": "GPT2LMHeadModel.transformer.h.1.mlp.act",
     "gpt2_eager": "GPT2LMHeadModel.transformer.h.1.mlp.act",
@@ -53,7 +55,7 @@ FAULT_MODULES = {
     "vit": "ViTForImageClassification.vit.layers.0.mlp.fc1",
     "gpt_masked_fill": "GPT.h.0.attn.proj",
     "gpt_log_tril": "GPT.h.0.attn.proj",
-    "lstm_lm": "LSTMLanguageModel.rnn",
+    "lstm_lm": "LSTMLanguageModel.head",
     "resnet": "ResNet.block.4",
 }
 # the default suite's cases: GPT-2 with its default (sdpa) attention, whose mask made NaN shares, and a

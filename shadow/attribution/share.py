@@ -8,7 +8,8 @@ that add up over every key, with ``residual``, to 1:
 
 - ``linear`` (one run): D_k = sum over the key's forward calls of <adjoint, error>, the adjoint being the float64
   derivative of the target with respect to the call's output (``shadow.attribution.adjoint``), once per part of
-  the error. Covers the forward pass (a loss does not depend on the backward and optimizer ops that follow it).
+  the error. Covers the forward calls whose results have an autograd node (a loss does not depend on the backward
+  and optimizer ops that follow it).
 - ``ablation`` (two runs per key at most, after the first): the share is D - D with the key's calls made exact
   (each result its float64 reference correctly rounded to the device dtype), the rounding share the rest of what
   disappears with the key's calls making no error at all (their float64 results kept). Covers every phase: the
@@ -22,12 +23,14 @@ that add up over every key, with ``residual``, to 1:
   results instead would change the inputs of every later call, whose roundings would be drawn again, and at the
   rounding level (a correct fp32 or bf16 step) that noise is as large as the drift itself (measured: shares of
   +-200 % for ops with 1 % of it). Held fixed, the worlds agree with the linear method to first order and add
-  what it leaves out: the nonlinear propagation, and the backward and optimizer calls.
+  what it leaves out: the nonlinear propagation, the calls without autograd node (dropout's mask scaled by
+  1/(1-p), autocast's casts of the inputs), and the backward and optimizer calls.
 
 ``residual`` = 1 - shares - rounding shares: what neither explains (second-order effects; ops outside the
 coverage; calls left out). A value non-finite in the float64 world too (a mask's -inf) carries no error; a share
-whose arithmetic still meets one (an overflow of the dtype, a non-finite adjoint where a call erred) is shadow's
-own failure: left out of the rows, named in ``left_out`` and counted in ``report.coverage.internal_errors``.
+whose arithmetic still meets one (linear's first order of an overflow, a non-finite adjoint where a call erred, an
+ablation world whose target is not finite) is shadow's own failure: left out of the rows, named in ``left_out``
+and counted in ``report.coverage.internal_errors``.
 """
 
 from __future__ import annotations
@@ -122,8 +125,13 @@ def attribute(step: Callable[[], Any], *, by: str = "op", method: str = "linear"
     step: use ``method="ablation"``, since only it covers backward and optimizer calls). ``shadow_options``: for
     the ShadowMode of the first run (``result.report``).
 
+    Each row has two shares: ``share``, what its calls' errors beyond a correct rounding cause (a kernel less
+    accurate than its dtype allows), and ``rounding_share``, what their correct rounding causes (on a correct step,
+    whose rounding drives the drift); rows rank by their sum (docs/attribution.md).
+
     >>> res = shadow.attribute(lambda: train_step(model, batch), by="module", method="ablation")  # doctest: +SKIP
     >>> print(res.table(top=5))                                                                  # doctest: +SKIP
+    >>> res.rows[0].key, res.rows[0].share, res.rows[0].rounding_share                           # doctest: +SKIP
     """
     if by not in BY:
         raise ShadowOptionError(f"attribute(by={by!r}): expected one of {', '.join(map(repr, BY))}")
