@@ -19,6 +19,7 @@ ops (a loss computed before them does not depend on them); their share falls int
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable
 
@@ -38,9 +39,27 @@ def split_rounding(rec: Record, o: Any, p: Any) -> tuple[torch.Tensor, torch.Ten
     d, r = o.device, o.reference
     if not isinstance(r, torch.Tensor) or r.shape != d.shape:
         return None
-    y = copy(d, torch.float64, r.device)
-    rounded = correctly_rounded(y, r, d.dtype)
-    return y - rounded, rounded - r
+    return split_error(copy(d, torch.float64, r.device), r, d.dtype)
+
+
+def split_error(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The error of a result y (upcast to float64 from ``dtype``) against its float64 reference r, in two parts
+    that add up to y - r: removable, y - round(r), and rounding, round(r) - r.
+
+    A part between two equal non-finite values is 0, where the subtraction reads NaN: a mask's -inf, the same in
+    the float64 world, carries no error, and a result that overflows as its correct rounding does (exp(12) in
+    float16) has no removable part. What is left non-finite (the rounding of that overflow, a NaN or infinity
+    only the device has) is an error no share expresses, which the caller counts apart."""
+    rounded = correctly_rounded(y, r, dtype)
+    removable, rounding = y - rounded, rounded - r
+    if not (bool(removable.isfinite().all()) and bool(rounding.isfinite().all())):
+        removable.masked_fill_(_same(y, rounded), 0.0)
+        rounding.masked_fill_(_same(rounded, r), 0.0)
+    return removable, rounding
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a == b) | (a.isnan() & b.isnan())
 
 
 class Adjoints:
@@ -104,7 +123,7 @@ class Adjoints:
                     adj = adj.to(errors[0].device)
                     sums = self.contributions.setdefault(index, [0.0] * len(errors))
                     for i, e in enumerate(errors):
-                        sums[i] += float(torch.sum(adj * e))
+                        sums[i] += weighted(adj, e)
 
         return hook
 
@@ -117,6 +136,16 @@ class Adjoints:
             h.remove()
         self._handles.clear()
         self._errors.clear()
+
+
+def weighted(adjoint: torch.Tensor, error: torch.Tensor) -> float:
+    """sum(adjoint * error), where an element without error weighs nothing whatever its adjoint: a masked score's
+    adjoint may be NaN or infinite in the float64 world (0 * inf), and its error is 0. Not finite: an error that
+    is itself not finite, or a non-finite adjoint where the call made an error."""
+    total = float(torch.sum(adjoint * error))
+    if math.isfinite(total):
+        return total
+    return float(torch.sum(torch.where(error == 0, 0.0, adjoint * error)))
 
 
 def correctly_rounded(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,30 +1,36 @@
 """``shadow.attribute``: the share of a target's drift each op class, module or call site causes.
 
-The target's drift is D = T_device - T_float64 (the shadow of T). A key's share is the part of D it causes,
-projected on D: share = <D_k, D> / <D, D>, so shares of a scalar target are signed fractions that add up, with
-``rounding`` and ``residual``, to 1:
+The target's drift is D = T_device - T_float64 (the shadow of T). Each call's error is split in two: removable,
+y - round(r), what its kernel adds beyond rounding its float64 result r to the output's dtype, and rounding,
+round(r) - r, which no kernel in that dtype avoids (``shadow.attribution.adjoint.split_error``). A key's two
+shares are the parts of D its calls cause by each, projected on D: share = <D_k, D> / <D, D>, signed fractions
+that add up over every key, with ``residual``, to 1:
 
-- ``linear`` (one run): D_k = sum over the key's forward calls of <adjoint, removable error>, the adjoint being the
-  float64 derivative of the target with respect to the call's output (``shadow.attribution.adjoint``);
-  ``rounding`` is the same sum over every call's rounding error. Covers the forward pass (a loss does not depend
-  on the backward and optimizer ops that follow it).
-- ``ablation`` (one run per key with any error beyond rounding, plus one with every call exact): D_k = D - D
-  with the key's calls made exact (each device result replaced by its float64 reference rounded to the device
-  dtype); ``rounding`` is the share left when every call is exact. Covers every phase: the only method for
-  targets an optimizer step computes (parameters after it). State is restored between runs
+- ``linear`` (one run): D_k = sum over the key's forward calls of <adjoint, error>, the adjoint being the float64
+  derivative of the target with respect to the call's output (``shadow.attribution.adjoint``), once per part of
+  the error. Covers the forward calls whose results have an autograd node (a loss does not depend on the backward
+  and optimizer ops that follow it).
+- ``ablation`` (two runs per key at most, after the first): the share is D - D with the key's calls made exact
+  (each result its float64 reference correctly rounded to the device dtype), the rounding share the rest of what
+  disappears with the key's calls making no error at all (their float64 results kept). Covers every phase: the
+  only method for targets an optimizer step computes (parameters after it). State is restored between runs
   (``shadow.attribution.state``) and the user's objects are left as after one ordinary step.
 
   The replacement happens in the shadow, never on the device: each run is a float64 world in which every other
   call makes exactly the error the device made in it (its shadow plus the device's error on its own inputs, so
-  that with no call exact the world is the device's trajectory), and the key's calls make only the error of
-  rounding their float64 result to the device dtype (on the device's inputs: their correctly rounded results).
-  Errors are held fixed: rewriting the device's results instead would change the inputs of every later call,
-  whose roundings would be drawn again, and at the rounding level (a correct fp32 or bf16 step) that noise is
-  as large as the drift itself (measured: shares of +-200 % for ops with 1 % of it). Held fixed, the worlds
-  agree with the linear method to first order and add what it leaves out: the nonlinear propagation, and the
-  backward and optimizer calls.
+  that with no call changed the world is the device's trajectory), and the key's calls make only the error of
+  rounding their float64 result to the device dtype, or none. Errors are held fixed: rewriting the device's
+  results instead would change the inputs of every later call, whose roundings would be drawn again, and at the
+  rounding level (a correct fp32 or bf16 step) that noise is as large as the drift itself (measured: shares of
+  +-200 % for ops with 1 % of it). Held fixed, the worlds agree with the linear method to first order and add
+  what it leaves out: the nonlinear propagation, the calls without autograd node (dropout's mask scaled by
+  1/(1-p), autocast's casts of the inputs), and the backward and optimizer calls.
 
-``residual`` = 1 - shares - rounding: what neither explains (second-order effects; ops outside the coverage).
+``residual`` = 1 - shares - rounding shares: what neither explains (second-order effects; ops outside the
+coverage; calls left out). A value non-finite in the float64 world too (a mask's -inf) carries no error; a share
+whose arithmetic still meets one (linear's first order of an overflow, a non-finite adjoint where a call erred, an
+ablation world whose target is not finite) is shadow's own failure: left out of the rows, named in ``left_out``
+and counted in ``report.coverage.internal_errors``.
 """
 
 from __future__ import annotations
@@ -57,41 +63,55 @@ class Share:
     """One key's part of the target's drift."""
 
     key: str  # an op overload ("aten.gelu.default"), a module path ("Net.fc1") or a call site ("model.py:42")
-    share: float  # the fraction of the target's drift it causes (negative: it cancels some)
+    share: float  # the fraction of the target's drift its errors beyond a correct rounding cause (negative: cancels)
+    rounding_share: float  # ... its results' correct rounding to their dtype causes
     introduced: float | None  # the largest local error (rel_norm) of its calls: what it adds itself
     amplification: float | None  # the largest factor by which its calls magnify the drift they receive
     calls: int
 
+    @property
+    def total(self) -> float:
+        """The fraction of the drift the key's calls cause, removable and rounding together (what ranks rows)."""
+        return self.share + self.rounding_share
+
 
 @dataclasses.dataclass
 class AttributionResult:
-    """What ``attribute`` found. ``rows``: worst first (by |share|); ``report``: the first run's Report."""
+    """What ``attribute`` found. ``rows``: worst first (by |total| = |share + rounding_share|); ``report``: the
+    first run's Report."""
 
     method: str
     by: str
     drift: float  # the target's drift, ||D|| / ||T_float64|| (inf: a float64 target of exactly 0)
     rows: list[Share]
-    rounding: float  # the share of rounding every result to its dtype, which no kernel can avoid
+    rounding: float  # the rounding shares' sum: rounding every result to its dtype, which no kernel can avoid
     residual: float  # 1 - shares - rounding
     phases: tuple[str, ...]  # the phases whose calls the method covers
     runs: int  # how many times the step ran
     report: Report
+    left_out: dict[str, int]  # key -> its calls whose share came out non-finite (shadow's own failure), left out
 
     def table(self, top: int | None = None) -> str:
         """The rows as text, with the drift, the rounding share and the residual below them.
 
-        columns: the share of the target's drift (signed), the largest local error rel_norm of its calls, the
-        largest amplification of the drift its calls receive (``-``: none received any), calls."""
+        columns: the shares of the target's drift (signed) the key's errors beyond a correct rounding and its
+        correct rounding cause, the largest local error rel_norm of its calls, the largest amplification of the
+        drift its calls receive (``-``: none received any), calls."""
         rows = self.rows if top is None else self.rows[:top]
         name_w = max([len(self.by)] + [len(r.key or "(none)") for r in rows])
-        head = f"{self.by:<{name_w}}  {'share':>8}  {'introduced':>10}  {'amplif.':>8}  {'calls':>6}"
+        head = (f"{self.by:<{name_w}}  {'share':>8}  {'rounding':>8}  {'introduced':>10}  {'amplif.':>8}  "
+                f"{'calls':>6}")
         lines = [head, "-" * len(head)]
         for r in rows:
-            lines.append(f"{r.key or '(none)':<{name_w}}  {_pct(r.share):>8}  {_num(r.introduced):>10}  "
-                         f"{_num(r.amplification):>8}  {r.calls:>6}")
+            lines.append(f"{r.key or '(none)':<{name_w}}  {_pct(r.share):>8}  {_pct(r.rounding_share):>8}  "
+                         f"{_num(r.introduced):>10}  {_num(r.amplification):>8}  {r.calls:>6}")
         lines.append("-" * len(head))
         lines.append(f"target drift (rel_norm) {_num(self.drift)}; rounding results to their dtype "
                      f"{_pct(self.rounding)}; residual {_pct(self.residual)}")
+        if self.left_out:
+            lines.append("left out, their share not finite in shadow's own arithmetic (coverage.internal_errors): "
+                         + ", ".join(f"{k or '(none)'} ({n} call{'s' if n != 1 else ''})"
+                                     for k, n in sorted(self.left_out.items())))
         lines.append(f"method {self.method} ({self.runs} run{'s' if self.runs != 1 else ''}), covering "
                      f"{', '.join(self.phases)} calls")
         return "\n".join(lines)
@@ -107,8 +127,13 @@ def attribute(step: Callable[[], Any], *, by: str = "op", method: str = "linear"
     step: use ``method="ablation"``, since only it covers backward and optimizer calls). ``shadow_options``: for
     the ShadowMode of the first run (``result.report``).
 
+    Each row has two shares: ``share``, what its calls' errors beyond a correct rounding cause (a kernel less
+    accurate than its dtype allows), and ``rounding_share``, what their correct rounding causes (on a correct step,
+    whose rounding drives the drift); rows rank by their sum (docs/attribution.md).
+
     >>> res = shadow.attribute(lambda: train_step(model, batch), by="module", method="ablation")  # doctest: +SKIP
     >>> print(res.table(top=5))                                                                  # doctest: +SKIP
+    >>> res.rows[0].key, res.rows[0].share, res.rows[0].rounding_share                           # doctest: +SKIP
     """
     if by not in BY:
         raise ShadowOptionError(f"attribute(by={by!r}): expected one of {', '.join(map(repr, BY))}")
@@ -173,18 +198,19 @@ def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
 
 
 def _linear(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
-    run = adjoint_pass(step, target, options, lambda d: d / float(torch.dot(d, d)) if bool(d.any()) else None)
+    # along D's direction, of norm 1: a seed that the target's dtype holds (1 / D overflows float16 for D < 2e-5)
+    run = adjoint_pass(step, target, options, lambda d: d / math.sqrt(_dot(d, d)) if _finite_drift(d) else None)
     with _own():
         d = run.t_dev - run.t_64
     dd = _dot(d, d)
-    per_key: dict[str, float] = {}
-    rounding = 0.0
-    for index, c in run.contributions.items():
-        key = _key(run.records[index], by)
-        per_key[key] = per_key.get(key, 0.0) + c[0] * run.factor
-        rounding += c[1] * run.factor
-    return _result("linear", by, run.report, run.t_64, d, dd, per_key, rounding if dd else 0.0, ("forward", "other"),
-                   1)
+    shares = _Shares(run.report, by)
+    if _finite_drift(d):
+        scale = run.factor / math.sqrt(dd)  # a sum of adjoint * error -> its share, <D_k, D> / <D, D>
+        for index, c in run.contributions.items():
+            shares.add(_key(run.records[index], by), c[0] * scale, c[1] * scale,
+                       lambda: f"a non-finite sum of adjoint * error in call {index} (removable {c[0]}, rounding "
+                               f"{c[1]})")
+    return _result("linear", by, run.report, run.t_64, d, dd, shares, ("forward", "other"), 1)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -248,28 +274,36 @@ def _ablation(step: Callable[[], Any], by: str, target: Any, options: dict) -> A
     with _own():
         d = t_dev - t_64
     dd = _dot(d, d)
-    candidates = _with_removable_error(rep, by) if dd else []
+    shares = _Shares(rep, by)
     runs = 1
-    per_key: dict[str, float] = {}
     try:
-        for key in candidates:
-            world = (lambda op, m, ph, s, key=key: "exact" if _key_of(by, op, m, s) == key else "device")
-            per_key[key] = _share_removed(step, target, state, world, t_64, d, dd)
-            runs += 1
-        rounding = 0.0
-        if dd:
-            rounding = 1.0 - _share_removed(step, target, state, lambda *a: "exact", t_64, d, dd)
-            runs += 1
+        if _finite_drift(d):
+            removable, erring = _erring_keys(rep, by)
+            for key in erring:
+                # the key's calls exact (correctly rounded), then making no error at all (float64): what
+                # disappears with each is its share, and with the second its rounding share too
+                removed = _share_removed(step, target, state, _world(by, key, "exact"), t_64, d, dd) \
+                    if key in removable else 0.0
+                total = _share_removed(step, target, state, _world(by, key, None), t_64, d, dd)
+                runs += 1 + (key in removable)
+                shares.add(key, removed, total - removed,
+                           lambda: f"a non-finite target in the world without its error (share {removed}, with "
+                                   f"its rounding {total})", calls=erring[key])
     finally:
         state.restore(after)
-    return _result("ablation", by, rep, t_64, d, dd, per_key, rounding, tuple(p.value for p in Phase), runs)
+    return _result("ablation", by, rep, t_64, d, dd, shares, tuple(p.value for p in Phase), runs)
 
 
-def _share_removed(step: Callable[[], Any], target: Any, state: StepState, world: Callable[..., str],
+def _world(by: str, key: str, how: str | None) -> Callable[..., str | None]:
+    """An ablation world: the key's calls rewritten as ``how`` says ("exact": correctly rounded; None: their float64
+    results), every other call making the error the device made (``shadow.engine.commit.in_world``)."""
+    return lambda op, module, phase, callsite: how if _key_of(by, op, module, callsite) == key else "device"
+
+
+def _share_removed(step: Callable[[], Any], target: Any, state: StepState, world: Callable[..., str | None],
                    t_64: torch.Tensor, d: torch.Tensor, dd: float) -> float:
-    """<D - D_world, D> / <D, D>: the share of the drift that disappears in a world where ``world`` says which
-    calls are exact (the rest make the error the device made: ``shadow.engine.commit.in_world``). The step runs again
-    from the start; the device computes exactly what it did, and the world is the shadow of the target."""
+    """<D - D_world, D> / <D, D>: the share of the drift that disappears in ``world``. The step runs again from the
+    start; the device computes exactly what it did, and the world is the shadow of the target."""
     state.restore(state.start)
     sm = ShadowMode(spot_checks="off", budgets=False, max_records=0, hooks=EngineHooks(world=world))
     with sm:
@@ -279,14 +313,21 @@ def _share_removed(step: Callable[[], Any], target: Any, state: StepState, world
         return float(torch.dot(d - (t_world - t_64), d)) / dd
 
 
-def _with_removable_error(rep: Report, by: str) -> list[str]:
-    """Keys with a call whose device result is not its float64 reference correctly rounded (the others' ablation
-    changes nothing: their share is 0 without a run)."""
-    keys: dict[str, None] = {}
+def _erring_keys(rep: Report, by: str) -> tuple[set[str], dict[str, int]]:
+    """The keys with a call whose device result is not its float64 reference correctly rounded (their share needs
+    a run: the others' is 0), and those with a call that made any error at all (their rounding share needs one),
+    with their calls' count."""
+    removable: set[str] = set()
+    erring: dict[str, int] = {}
     for rec in rep.records:
-        if rec.local is not None and rec.local.max_ulp > _ROUNDED_ULP:
-            keys.setdefault(_key(rec, by), None)
-    return list(keys)
+        if rec.local is None:
+            continue
+        key = _key(rec, by)
+        if rec.local.max_ulp > _ROUNDED_ULP:
+            removable.add(key)
+        if rec.local.max_abs > 0 or rec.local.nonfinite:
+            erring[key] = erring.get(key, 0) + 1
+    return removable, erring
 
 
 # --- shared ---
@@ -323,8 +364,34 @@ def _key_of(by: str, op: str, module: str, callsite: str) -> str:
     return op if by == "op" else module if by == "module" else callsite
 
 
-def _result(method: str, by: str, rep: Report, t_64: torch.Tensor, d: torch.Tensor, dd: float,
-            per_key: dict[str, float], rounding: float, phases: tuple[str, ...], runs: int) -> AttributionResult:
+class _Shares:
+    """Each key's share and rounding share as they are found, and the keys' calls left out where one is not finite
+    (shadow's own failure: counted in the report's coverage, never a share)."""
+
+    def __init__(self, report: Report, by: str) -> None:
+        self.report, self.by = report, by
+        self.share: dict[str, float] = {}
+        self.rounding: dict[str, float] = {}
+        self.left_out: dict[str, int] = {}
+
+    def add(self, key: str, share: float, rounding: float, why: Callable[[], str], calls: int = 1) -> None:
+        if math.isfinite(share) and math.isfinite(rounding):
+            self.share[key] = self.share.get(key, 0.0) + share
+            self.rounding[key] = self.rounding.get(key, 0.0) + rounding
+            return
+        self.left_out[key] = self.left_out.get(key, 0) + calls
+        self.report.internal_error(f"attribution of {self.by} {key}", why())
+
+
+def _finite_drift(d: torch.Tensor) -> bool:
+    """Whether the target drifted and its drift can be shared: finite on the device and in float64 (a target that
+    is not finite has its origin in ``report.nonfinite_origin()``, not in a share)."""
+    with _own():
+        return bool(d.any()) and bool(d.isfinite().all())
+
+
+def _result(method: str, by: str, rep: Report, t_64: torch.Tensor, d: torch.Tensor, dd: float, shares: _Shares,
+            phases: tuple[str, ...], runs: int) -> AttributionResult:
     """Rows for every key with calls (0 where nothing was found), the rounding and the residual."""
     introduced: dict[str, float] = {}
     amplified: dict[str, float] = {}
@@ -335,15 +402,17 @@ def _result(method: str, by: str, rep: Report, t_64: torch.Tensor, d: torch.Tens
         if rec.amplification is not None:
             amplified[key] = max(amplified.get(key, 0.0), rec.amplification)
     calls = {k: a.calls for k, a in rep.view(by).items()}
-    rows = [Share(k, per_key.get(k, 0.0) if dd else 0.0, introduced.get(k), amplified.get(k), n)
-            for k, n in calls.items() if k in per_key or k in introduced]
-    rows.sort(key=lambda r: (-abs(r.share), r.key))
+    shared = _finite_drift(d)
+    rows = [Share(k, shares.share.get(k, 0.0) if shared else 0.0, shares.rounding.get(k, 0.0) if shared else 0.0,
+                  introduced.get(k), amplified.get(k), n)
+            for k, n in calls.items() if k in shares.share or (k in introduced and k not in shares.left_out)]
+    rows.sort(key=lambda r: (-abs(r.total), r.key))
     with _own():
         norm = float(torch.linalg.vector_norm(t_64))
-    drift = math.sqrt(dd) / norm if norm else (math.inf if dd else 0.0)
-    total = sum(r.share for r in rows)
-    return AttributionResult(method, by, drift, rows, rounding, (1.0 - total - rounding) if dd else 0.0, phases,
-                             runs, rep)
+    drift = math.sqrt(dd) / norm if norm and math.isfinite(dd) else (math.inf if dd else 0.0)
+    rounding = sum(r.rounding_share for r in rows)
+    residual = 1.0 - sum(r.share for r in rows) - rounding if shared else 0.0
+    return AttributionResult(method, by, drift, rows, rounding, residual, phases, runs, rep, dict(shares.left_out))
 
 
 def _pct(x: float) -> str:

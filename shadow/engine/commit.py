@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..attribution.adjoint import correctly_rounded
+from ..attribution.adjoint import split_error
 from ..mirror import SHADOW_DTYPES, any_nonfinite
 from ..plan import OpPlan, flat_returns
 from .values import Compared, Outputs, Prepared
@@ -51,10 +51,9 @@ def in_world(engine: Engine, how: str, outputs: Outputs, compared: tuple[Compare
                 or keep.shape != device.shape:
             rewritten.append(c)
             continue
-        # the error first: the reference may be the shadow to keep itself
-        upcast = engine.mirror.upcast(device)
-        error = upcast if how == "device" else correctly_rounded(upcast, reference, device.dtype)
-        keep.add_(error.sub_(reference))
+        # the error first: the reference may be the shadow to keep itself; equal non-finite values carry none
+        removable, rounding = split_error(engine.mirror.upcast(device), reference, device.dtype)
+        keep.add_(rounding if how == "exact" else removable.add_(rounding))
         rewritten.append(c._replace(exact=False))
     return tuple(rewritten)
 
