@@ -40,7 +40,8 @@ def first_line(exc: BaseException) -> str:
 # --- discovery on this machine ---
 def test_discover_lists_every_backend_and_cpu_is_available():
     found = discover()
-    assert [b.name for b in found] == list(BACKENDS)
+    # the fixed probes, then a PrivateUse1 backend registered in this process (the suite's stand-in, once loaded)
+    assert [b.name for b in found][:len(BACKENDS)] == list(BACKENDS) and len(found) - len(BACKENDS) <= 1
     cpu = by_name(found)["cpu"]
     assert cpu.available and cpu.device == "cpu" and cpu.float64 is True and cpu.device_name
     assert cpu.torch_device() == torch.device("cpu")
@@ -289,8 +290,9 @@ def test_doctor_json_and_exit_status_from_a_fresh_process():
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = json.loads(proc.stdout)
     assert found["torch"] == torch.__version__
-    assert [b["name"] for b in found["backends"]] == list(BACKENDS)
-    assert found["backends"][0]["available"] is True and found["uses"] == devices.choose().name
+    assert [b["name"] for b in found["backends"]] == list(BACKENDS)  # a fresh process registers no stand-in
+    fixed = [b for b in devices.discover() if b.name in BACKENDS]
+    assert found["backends"][0]["available"] is True and found["uses"] == devices.choose(fixed).name
     assert found["numerics"]["torch.backends.cudnn.allow_tf32"] == torch.backends.cudnn.allow_tf32
 
 
