@@ -4,7 +4,7 @@ writes it). tests/test_report_format.py loads them (every version keeps loading,
 them. They were written once, by the loader before the format's schema (commit 2e19a34): run this again only to
 add a version, and keep the older files as they are.
 
-    python tests/reports/make.py tests/reports
+    PYTHONPATH=. python tests/reports/make.py tests/reports
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import shadow
-from shadow import ShadowMode
+from shadow import ShadowMode, reportformat
 
 
 def run(rank: int) -> shadow.Report:
@@ -81,16 +81,8 @@ def versions() -> dict[int, dict]:
 
 
 def encoded(d: dict) -> str:
-    """``d`` as ``Report.save`` writes it: non-finite figures as "inf", "-inf", "nan"."""
-    def enc(x):
-        if isinstance(x, float) and x != x or x in (float("inf"), float("-inf")):
-            return repr(x)
-        if isinstance(x, dict):
-            return {k: enc(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [enc(v) for v in x]
-        return x
-    return json.dumps(enc(d), separators=(",", ":"))
+    """``d`` as ``Report.save`` writes it (non-finite figures as "inf", "-inf", "nan"), compact."""
+    return json.dumps(reportformat.saved(d), separators=(",", ":"))
 
 
 def main(folder: str) -> None:
