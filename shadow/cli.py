@@ -42,6 +42,7 @@ from . import __version__
 from . import devices as _devices
 from .modes.emulate import EMULATIONS
 from .options import FOLLOW
+from .distributed import rank_path
 from .records import Phase
 from .report import VIEWS, Report
 
@@ -217,7 +218,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("script", help="the Python script to run, unchanged (shadow's options come before it)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments: its sys.argv[1:]")
     p.add_argument("-o", "--output", metavar="PATH", default="shadow-report.json",
-                   help="where to write the report (default: shadow-report.json in the working directory)")
+                   help="where to write the report (default: shadow-report.json in the working directory); each rank "
+                        "of a distributed run (torchrun -m shadow run) writes its own, PATH with .rankN before .json")
     p.add_argument("--skip-steps", type=_count, default=0, metavar="N",
                    help="start shadowing when optimizer step N returns (default 0: from the start); every "
                         "optimizer.step() call of any optimizer counts")
@@ -267,9 +269,10 @@ def _run(args: argparse.Namespace) -> int:
         rep = sm.report
         rep.meta["run"] = {"argv": [args.script, *args.args], "emulate": args.emulate, "skip_steps": args.skip_steps,
                            "steps": args.steps, "optimizer_steps": window.done, "exit_status": status}
-        rep.save(output)
-    print(f"shadow: report written to {args.output}: {rep.coverage.calls} calls shadowed "
-          f"({_shadowed(rep.meta['run'])}); read it with: shadow show {args.output}", file=sys.stderr)
+        shown = rank_path(args.output, rep.meta)  # one file per rank of a distributed run
+        rep.save(rank_path(output, rep.meta))
+    print(f"shadow: report written to {shown}: {rep.coverage.calls} calls shadowed "
+          f"({_shadowed(rep.meta['run'])}); read it with: shadow show {shown}", file=sys.stderr)
     if stops.held is not None:  # a signal came while the report was written: stop now, as it asked
         print(f"shadow: stopped by {signal.Signals(stops.held).name}", file=sys.stderr)
         return 128 + stops.held

@@ -242,6 +242,27 @@ def test_a_signal_outside_the_script_is_held_until_the_report_is_written(tmp_pat
                 pytest.fail("a script started after a signal came")
 
 
+def test_run_under_torchrun_writes_one_report_per_rank(tmp_path, capsys, monkeypatch):
+    """Each rank of `torchrun -m shadow run` writes its own report (the -o path with .rankN), and `shadow show`
+    merges them; one rank alone writes the path as given."""
+    script = tmp_path / "s.py"
+    script.write_text("import torch\nx = torch.ones(3)\nfor _ in range(int(__import__('os').environ['RANK']) + 1):\n"
+                      "    x = x * 2\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["run", "-o", str(tmp_path / "r.json"), str(script)]) == 0
+        assert f"report written to {tmp_path / f'r.rank{rank}.json'}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("r*.json")) == ["r.rank0.json", "r.rank1.json"]
+    ranks = [load_report(tmp_path / f"r.rank{r}.json").by_op["aten.mul.Tensor"].calls for r in (0, 1)]
+    assert ranks == [1, 2]
+    assert main(["show", str(tmp_path / "r.rank0.json"), str(tmp_path / "r.rank1.json")]) == 0
+    assert "2 reports merged" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["run", "-o", str(tmp_path / "alone.json"), str(script)]) == 0
+    assert (tmp_path / "alone.json").exists()
+
+
 # --- show ---
 def test_show_prints_the_table_legend_and_verdict(runs, capsys):
     assert main(["show", str(runs["fp32"])]) == 0
