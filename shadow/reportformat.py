@@ -436,14 +436,15 @@ SPOT = Fields("SpotStats", {
     "max_cancellation": FIGURE, "trusted": Flag(), "reason": TEXT}, SpotStats)
 BUDGET = Fields("BudgetInfo", {"family": Field(TEXT, True, old="kind"), "used": Field(FIGURE, True),
                                "is_default": Flag()}, BudgetInfo)
-ITEM_VALUE = Number()  # .item()'s device and shadow values: a float, an int or a bool
 
 
 class _Scalar(Spec):
+    """.item()'s device and shadow values: a float, an int or a bool."""
+
     expected = "a number or true/false"
 
     def load(self, value: Any) -> Any:
-        return value if type(value) is bool else ITEM_VALUE.load(value)
+        return value if type(value) is bool else FIGURE.load(value)
 
 
 RECORD = Fields("Record", {
