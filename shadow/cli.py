@@ -12,7 +12,8 @@ Exit status:
     2    a usage error or unusable input, with a one-line message naming the problem and the fix: a bad option, a
          missing script or report, an unwritable ``-o``, a report that cannot be read, two reports not of the same
          program, optimizer steps asked for that the script never made
-    N    ``run``: the script's own ``sys.exit(N)``; 130 when interrupted (Ctrl-C), the partial report written
+    N    ``run``: the script's own ``sys.exit(N)``; 128 + the signal's number when a signal stopped it: 130 on
+         Ctrl-C (SIGINT), 143 on SIGTERM (a timeout, a job scheduler, CI), 129 on SIGHUP; the partial report written
 
 The CLI is the one place that prints; library code returns objects and leaves rendering to its caller.
 Each subcommand is a function registered with ``@command``; ``main`` builds the parser from that table.
@@ -29,7 +30,9 @@ import os
 import platform
 import runpy
 import shutil
+import signal
 import sys
+import threading
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -39,6 +42,7 @@ from . import __version__
 from . import devices as _devices
 from .modes.emulate import EMULATIONS
 from .options import FOLLOW
+from .distributed import rank_path
 from .records import Phase
 from .report import VIEWS, Report
 from .scratch import copy
@@ -215,7 +219,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("script", help="the Python script to run, unchanged (shadow's options come before it)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments: its sys.argv[1:]")
     p.add_argument("-o", "--output", metavar="PATH", default="shadow-report.json",
-                   help="where to write the report (default: shadow-report.json in the working directory)")
+                   help="where to write the report (default: shadow-report.json in the working directory); each rank "
+                        "of a distributed run (torchrun -m shadow run) writes its own, PATH with .rankN before .json")
     p.add_argument("--skip-steps", type=_count, default=0, metavar="N",
                    help="start shadowing when optimizer step N returns (default 0: from the start); every "
                         "optimizer.step() call of any optimizer counts")
@@ -259,14 +264,19 @@ def _run(args: argparse.Namespace) -> int:
                     callsites=args.callsites)
     window = _StepWindow(sm, args.skip_steps, args.steps)
     device = emulate(args.emulate) if args.emulate else contextlib.nullcontext()  # outside ShadowMode, as it must be
-    with device, window, Progress(sm.report, step=lambda: window.done, shadowing=lambda: window.active):
-        status = _exec_script(args.script, args.args)
-    rep = sm.report
-    rep.meta["run"] = {"argv": [args.script, *args.args], "emulate": args.emulate, "skip_steps": args.skip_steps,
-                       "steps": args.steps, "optimizer_steps": window.done, "exit_status": status}
-    rep.save(output)
-    print(f"shadow: report written to {args.output}: {rep.coverage.calls} calls shadowed "
-          f"({_shadowed(rep.meta['run'])}); read it with: shadow show {args.output}", file=sys.stderr)
+    with _Stops() as stops:
+        with device, window, Progress(sm.report, step=lambda: window.done, shadowing=lambda: window.active):
+            status = _exec_script(args.script, args.args, stops)
+        rep = sm.report
+        rep.meta["run"] = {"argv": [args.script, *args.args], "emulate": args.emulate, "skip_steps": args.skip_steps,
+                           "steps": args.steps, "optimizer_steps": window.done, "exit_status": status}
+        shown = rank_path(args.output, rep.meta)  # one file per rank of a distributed run
+        rep.save(rank_path(output, rep.meta))
+    print(f"shadow: report written to {shown}: {rep.coverage.calls} calls shadowed "
+          f"({_shadowed(rep.meta['run'])}); read it with: shadow show {shown}", file=sys.stderr)
+    if stops.held is not None:  # a signal came while the report was written: stop now, as it asked
+        print(f"shadow: stopped by {signal.Signals(stops.held).name}", file=sys.stderr)
+        return 128 + stops.held
     if not window.opened:
         if status:
             return status
@@ -275,6 +285,67 @@ def _run(args: argparse.Namespace) -> int:
     for line in conclude(rep).lines:
         print(f"shadow: {line}", file=sys.stderr)
     return status
+
+
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")  # what stops `run`: Ctrl-C, a timeout or a scheduler, a lost terminal
+_SIGNAL_NUMBERS = {getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)}
+
+
+class Stopped(BaseException):
+    """A signal stopped the script: raised in it as Ctrl-C raises KeyboardInterrupt (SIGTERM and SIGHUP, whose
+    default is to end the process at once, report unwritten). A BaseException, as KeyboardInterrupt: the script's
+    ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class _Stops:
+    """``run``'s signal handlers, from its start to its report's last byte: while the script runs (``armed``),
+    SIGINT raises KeyboardInterrupt in it and SIGTERM and SIGHUP raise ``Stopped``; outside it (ShadowMode entered
+    or left, the report written) a signal is held (``held``: the first one), so the report is written whole and
+    the command then exits as the signal asked. The handlers found are restored on exit; a script that installs
+    its own keeps them while it runs. Signal handlers exist in the main thread only: elsewhere, nothing changes."""
+
+    def __init__(self) -> None:
+        self.held: int | None = None
+        self._armed = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stops:
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                if hasattr(signal, name):  # no SIGHUP on Windows
+                    number = getattr(signal, name)
+                    self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    @contextlib.contextmanager
+    def armed(self) -> Any:
+        """While the script runs: a signal stops it (one held before it began stops it at once)."""
+        if self.held is not None:
+            raise self._stop(self.held)
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._armed:
+            self._armed = False  # one stop: a second signal while the script unwinds is held, not raised in it
+            raise self._stop(signum)
+        if self.held is None:
+            self.held = signum
+
+    @staticmethod
+    def _stop(signum: int) -> BaseException:
+        return KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
 
 
 class _StepWindow:
@@ -351,23 +422,24 @@ def _untraced(frame: Any, event: str, arg: Any) -> None:
     return None
 
 
-def _exec_script(path: str, argv: list[str]) -> int:
+def _exec_script(path: str, argv: list[str], stops: _Stops) -> int:
     """Run ``path`` as ``python path ARGS...`` would: as ``__main__``, with ``sys.argv`` = [path, ARGS...] and its
     folder first on ``sys.path``. Returns its exit status; an exception is printed as the script's own traceback
-    (shadow's and runpy's frames left out) and gives 1, as Python gives."""
+    (shadow's and runpy's frames left out) and gives 1, as Python gives; a signal (``stops``) 128 + its number."""
     saved_argv, saved_path = sys.argv, sys.path[:]
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
-        runpy.run_path(path, run_name="__main__")
+        with stops.armed():
+            runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
         print(exc.code, file=sys.stderr)  # sys.exit("message"), as Python prints it
         return 1
-    except KeyboardInterrupt as exc:
+    except (KeyboardInterrupt, Stopped) as exc:
         sys.stderr.write(_script_traceback(exc))
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except BaseException as exc:  # noqa: B036 - the script's error, whatever it is, is reported as Python would
         sys.stderr.write(_script_traceback(exc))
         return 1
@@ -494,8 +566,10 @@ def _describe(path: str, rep: Report) -> str:
     if not run:
         return f"{path}: saved from Python ({versions})"
     emulate = f" --emulate {run['emulate']}" if run.get("emulate") else ""
+    status = run["exit_status"]
+    stopped = f" (stopped by {signal.Signals(status - 128).name})" if status - 128 in _SIGNAL_NUMBERS else ""
     return (f"{path}: shadow run{emulate} {' '.join(run['argv'])}; {_shadowed(run)}; exit status "
-            f"{run['exit_status']} ({versions})")
+            f"{status}{stopped} ({versions})")
 
 
 # --- compare ---

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+import os
+from typing import Iterable, Mapping
 
 from .report import RANK_FIELDS, Aggregate, Report
 
@@ -74,4 +75,27 @@ def records_of_rank(report: Report, rank: int) -> list:
     return [rec for rec, r in zip(report.records, report.meta.get("record_ranks", [])) if r == rank]
 
 
-__all__ = ["merge_reports", "records_of_rank"]
+def rank_path(path: str, meta: Mapping, environ: Mapping[str, str] = os.environ) -> str:
+    """Where one rank of a distributed run writes the report meant for ``path``: ``run.json`` becomes
+    ``run.rank1.json`` when the run has several ranks (the report's ``meta["rank"]`` and ``meta["world_size"]``, set
+    at the first collective shadow sees; else torchrun's ``RANK`` and ``WORLD_SIZE``), ``path`` itself otherwise.
+    Without it, every rank of ``torchrun -m shadow run`` would write the same file and the last to finish would be
+    the one left.
+
+    >>> rank_path("out/run.json", {"rank": 1, "world_size": 2})
+    'out/run.rank1.json'
+    """
+    rank, world = meta.get("rank"), meta.get("world_size")
+    if rank is None or world is None:
+        rank, world = environ.get("RANK"), environ.get("WORLD_SIZE")
+    try:
+        several = int(world) > 1
+    except (TypeError, ValueError):
+        return path
+    if not several:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"
+
+
+__all__ = ["merge_reports", "rank_path", "records_of_rank"]

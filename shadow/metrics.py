@@ -97,7 +97,10 @@ class ErrorStats:
         self.nonfinite_agreed += other.nonfinite_agreed
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The saved form (``shadow.reportformat.ERROR_STATS``)."""
+        from .reportformat import ERROR_STATS
+
+        return ERROR_STATS.write(self, "stats")
 
 
 @functools.cache  # finfo and log2 cost more than the figures a tiny comparison computes from it

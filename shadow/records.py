@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
 
 from .metrics import ErrorStats
 from .spot import SpotStats
@@ -155,28 +154,18 @@ class Record:
         return "precision" if stats.nonfinite_device or shadow_finite else "math"
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["kind"], d["phase"], d["shape"] = self.kind.value, self.phase.value, list(self.shape)
-        for name in ("local", "drift", "spot", "cpu"):
-            d[name] = getattr(self, name).to_dict() if getattr(self, name) is not None else None
-        d["budget"] = dataclasses.asdict(self.budget) if self.budget is not None else None
-        return d
+        """The saved form (``shadow.reportformat.RECORD``)."""
+        from .reportformat import RECORD
+
+        return RECORD.write(self, "record")
 
     @classmethod
     def from_dict(cls, d: dict) -> Record:
-        """Inverse of ``to_dict``; reads version-3 records too (no dtype and shape, budget "kind")."""
-        d = dict(d)
-        d["kind"], d["phase"], d["shape"] = Kind(d["kind"]), Phase(d["phase"]), tuple(d.get("shape", ()))
-        for name in ("local", "drift", "cpu"):
-            d[name] = ErrorStats(**numbers(d[name])) if d.get(name) is not None else None
-        if d.get("item") is not None:
-            d["item"] = tuple(number(v) for v in d["item"])
-        d["spot"] = SpotStats.from_dict(d["spot"]) if d.get("spot") is not None else None
-        if d.get("budget") is not None:
-            b = dict(d["budget"])
-            b["family"] = b.pop("kind", b.get("family"))  # version 3 called the family "kind"
-            d["budget"] = BudgetInfo(**{**b, "used": number(b["used"])})
-        return cls(**d)
+        """Inverse of ``to_dict``; reads version-3 records too (no dtype and shape, budget "kind"). A malformed one
+        raises ``ReportFormatError`` naming the field."""
+        from .reportformat import RECORD
+
+        return RECORD.read(d, "record")
 
 
 @dataclasses.dataclass(slots=True)
@@ -187,12 +176,3 @@ class Event:
     op: str
     kind: str
     detail: str
-
-
-def number(x: Any) -> Any:
-    """A figure as saved: the strings "inf", "-inf", "nan" (JSON has no literal for them) back to floats."""
-    return float(x) if x in ("inf", "-inf", "nan") else x
-
-
-def numbers(d: dict) -> dict:
-    return {k: number(v) for k, v in d.items()}

@@ -3,28 +3,20 @@ and the saved format."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
-import json
 import math
 import os
 import textwrap
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
-from .errors import ReportFormatError
 from .metrics import ErrorStats
-from .records import BudgetInfo, Event, Kind, Phase, Record, numbers
+from .records import BudgetInfo, Event, Kind, Phase, Record
+from . import reportformat
+from .reportformat import FORMAT, READS, VERSION  # noqa: F401 (declared in the format's own module)
 from .spot import SpotStats
 from .trajectory import StepDrift
 
-FORMAT = "shadow-report"
-VERSION = 7  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
-# 5: call sites, input drift, aggregates by (op, module, call site, phase) ("cells"); 6: the trajectory; 7: a merged
-# report's per-rank cells ("per_rank")
-READS = (1, 2, 3, 4, 5, 6, 7)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget
-# family "kind" and over_budget_calls "over_budget", 4 had no call sites (its aggregates: by op and module only),
-# 5 no trajectory, 6 no per-rank cells
 VIEWS = ("op", "module", "callsite", "phase")  # the ways aggregates are grouped (Report.view)
 _CELL = {"op": 0, "module": 1, "callsite": 2, "phase": 3}  # a view's position in a cell's key
 
@@ -428,124 +420,31 @@ class Report:
 
     # --- persistence ---
     def to_dict(self) -> dict:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "meta": self.meta,
-            "max_records": self.max_records,
-            "dropped_records": self.dropped_records,
-            "records": [r.to_dict() for r in self.records],
-            "cells": _cell_dicts(self._cells),
-            "per_rank": [{"rank": rank, "cells": _cell_dicts(part._cells, RANK_FIELDS)}
-                         for rank, part in self.per_rank.items()],
-            # by_op and by_module are the cells merged: written for readers of the file, recomputed on load
-            "by_op": {k: dataclasses.asdict(v) for k, v in self.by_op.items()},
-            "by_module": {k: dataclasses.asdict(v) for k, v in self.by_module.items()},
-            "coverage": dataclasses.asdict(self.coverage),
-            "events": [dataclasses.asdict(e) for e in self.events],
-            "trajectory": [dataclasses.asdict(t) for t in self.trajectory],
-        }
+        """The saved form (``shadow.reportformat``), non-finite figures as floats."""
+        return reportformat.to_dict(self)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the report as versioned JSON (non-finite figures as the strings "inf"/"nan")."""
-        with open(path, "w") as f:
-            json.dump(_encode(self.to_dict()), f, indent=1)
+        """Write the report as versioned JSON (non-finite figures as the strings "inf"/"nan"), whole or not at all:
+        a temporary file beside ``path``, then renamed over it."""
+        reportformat.save(self, path)
 
     @classmethod
     def from_dict(cls, d: dict) -> Report:
         """A report from its saved form (``to_dict``); versions 1 to 7 load (later versions only added
         fields, and the two renamed in version 4 are read under their old names; before version 5, aggregates
         exist by op and by module only). Anything malformed raises
-        ``ReportFormatError`` naming what is wrong and where."""
-        if not isinstance(d, dict):
-            raise ReportFormatError(f"not a shadow report: expected a JSON object, got {type(d).__name__}")
-        if d.get("format") != FORMAT:
-            raise ReportFormatError(f"not a shadow report: expected format {FORMAT!r}, got {d.get('format')!r}")
-        version = d.get("version")
-        if version not in READS:
-            newer = isinstance(version, int) and version > VERSION
-            raise ReportFormatError(
-                f"shadow report version {version!r} cannot be read by this shadow (it reads versions "
-                f"{READS[0]} to {READS[-1]})" + ("; it was written by a newer shadow: upgrade shadow to read it"
-                                                 if newer else ""))
-        with _reading("the report's header"):
-            rep = cls(max_records=d["max_records"], meta=d["meta"])
-            rep.dropped_records = d["dropped_records"]
-        rep.records = []
-        for i, r in enumerate(_list(d, "records")):
-            with _reading(f"records[{i}]"):
-                rep.records.append(Record.from_dict(r))
-        legacy = {}
-        for name in ("by_op", "by_module"):
-            table = legacy[name[3:]] = {}
-            for key, v in _dict(d, name).items():
-                with _reading(f"{name}[{key!r}]"):
-                    table[key] = _aggregate(v)
-        if version < 5:
-            rep._legacy = legacy
-        if version >= 5:
-            rep._cells = _read_cells(d)
-        for i, p in enumerate(_list(d, "per_rank") if version >= 7 else ()):
-            with _reading(f"per_rank[{i}]"):
-                rank = p["rank"]
-            rep.per_rank[rank] = part = cls()
-            part._cells = _read_cells(p, f"per_rank[{i}].")
-        with _reading("coverage"):
-            rep.coverage = Coverage(**_dict(d, "coverage"))
-        rep.events = []
-        for i, e in enumerate(_list(d, "events")):
-            with _reading(f"events[{i}]"):
-                rep.events.append(Event(**e))
-        for i, t in enumerate(_list(d, "trajectory") if version >= 6 else ()):
-            with _reading(f"trajectory[{i}]"):
-                rep.trajectory.append(StepDrift(**numbers(t)))
-        return rep
+        ``ReportFormatError`` naming the field, its path and what was expected."""
+        return reportformat.from_dict(d)
 
 
 def load_report(path: str | os.PathLike) -> Report:
-    """Read a report written by ``Report.save``; checks its format name and version, and says what is wrong
-    with anything else (``ReportFormatError``).
+    """Read a report written by ``Report.save``; checks its format name, version and every field against the
+    format's declaration (``shadow.reportformat``), and says what is wrong with anything else
+    (``ReportFormatError``).
 
     >>> rep = shadow.load_report("run.json")  # doctest: +SKIP
     """
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ReportFormatError(f"{path}: not a shadow report: not UTF-8 text ({exc.reason} at byte "
-                                f"{exc.start})") from exc
-    except json.JSONDecodeError as exc:
-        raise ReportFormatError(f"{path}: not a shadow report: not JSON ({exc})") from exc
-    try:
-        return Report.from_dict(d)
-    except ReportFormatError as exc:
-        raise ReportFormatError(f"{path}: {exc}") from exc
-
-
-@contextlib.contextmanager
-def _reading(where: str) -> Iterator[None]:
-    """Turn what a malformed part raises into a ReportFormatError that names the part."""
-    try:
-        yield
-    except KeyError as exc:
-        raise ReportFormatError(f"{where}: missing field {exc}") from exc
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ReportFormatError(f"{where}: {exc}") from exc
-
-
-def _list(d: dict, name: str, where: str = "") -> list:
-    v = d.get(name)
-    if not isinstance(v, list):
-        raise ReportFormatError(f"{where}{name}: expected a list, got {type(v).__name__}")
-    return v
-
-
-def _cell_dicts(cells: dict[tuple[str, str, str, str], Aggregate], fields: Iterable[str] | None = None) -> list[dict]:
-    """Cells as saved: their key by name and their aggregate (only ``fields``, if given)."""
-    return [{"op": k[0], "module": k[1], "callsite": k[2], "phase": str(k[3]),
-             "aggregate": dataclasses.asdict(v) if fields is None else {name: getattr(v, name) for name in fields}}
-            for k, v in cells.items()]
+    return reportformat.load(path)
 
 
 def _gc_untrack() -> Callable[[Any], None] | None:
@@ -579,38 +478,12 @@ def _untrack(rec: Record) -> None:
             _GC_UNTRACK(o)
 
 
-def _read_cells(d: dict, where: str = "") -> dict[tuple[str, str, str, str], Aggregate]:
-    """The cells ``_cell_dicts`` saved as ``d["cells"]``."""
-    cells = {}
-    for i, c in enumerate(_list(d, "cells", where)):
-        with _reading(f"{where}cells[{i}]"):
-            cells[(c["op"], c["module"], c["callsite"], Phase(c["phase"]))] = _aggregate(c["aggregate"])
-    return cells
-
-
-def _dict(d: dict, name: str) -> dict:
-    v = d.get(name)
-    if not isinstance(v, dict):
-        raise ReportFormatError(f"{name}: expected an object, got {type(v).__name__}")
-    return v
-
-
 def _fmt(x: float) -> str:
     if x == 0:
         return "0"
     if not math.isfinite(x):
         return str(x)
     return f"{x:.3g}"
-
-
-def _encode(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return repr(x)  # "inf", "-inf", "nan": JSON has no literal for them
-    if isinstance(x, dict):
-        return {k: _encode(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_encode(v) for v in x]
-    return x
 
 
 def _drift_cell(a: Aggregate) -> str:
@@ -778,16 +651,6 @@ def _floating(dtype: str) -> bool:
 
 def _short_dtype(dtype: str) -> str:
     return dtype.replace("torch.", "")
-
-
-def _aggregate(d: dict) -> Aggregate:
-    d = numbers(d)
-    if "over_budget" in d:  # version 3
-        d["over_budget_calls"] = d.pop("over_budget")
-    d.setdefault("max_local_ulp_nonzero", d.get("max_local_ulp", 0.0))  # before version 4
-    if "budgeted_calls" not in d and "max_budget_used" in d:  # version 3 did not count them: its table's figure
-        d["budgeted_calls"] = d.get("calls", 0)
-    return Aggregate(**d)
 
 
 def merged(stats: Iterable[ErrorStats | None]) -> ErrorStats | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import torch
 
 import shadow
 from shadow import ShadowMode, load_report
-from shadow.cli import main
+from shadow.cli import Stopped, _Stops, main
 from shadow.progress import Progress, status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,6 +176,91 @@ def test_console_entry_lists_every_command_and_runs_a_raising_script(tmp_path):
     assert proc.stderr.startswith(f'Traceback (most recent call last):\n  File "{script}", line 3, in <module>\n'
                                   "    raise ValueError('bad value')\nValueError: bad value\nshadow: report written")
     assert load_report(tmp_path / "r.json").meta["run"]["exit_status"] == 1
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_run_stopped_by_a_signal_writes_the_calls_made_so_far(tmp_path, name):
+    """A job scheduler's or a timeout's SIGTERM (a lost terminal's SIGHUP) stops `shadow run` as Ctrl-C does: the
+    script unwinds, the partial report is written and loads, the exit status is 128 + the signal's number."""
+    number = getattr(signal, name)
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        x, n = torch.ones(4), 0
+        try:
+            while True:
+                x = x * 1.0
+                n += 1
+                if n == 50:
+                    print("50 calls made", flush=True)
+        finally:
+            print("calls", n, flush=True)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "shadow", "run", "-o", "r.json", str(script)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "50 calls made\n"
+        proc.send_signal(number)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + number, err
+    made = int(out.split()[-1])
+    assert f"Stopped: stopped by {name}" in err and "shadow: report written to r.json" in err
+    rep = load_report(tmp_path / "r.json")
+    # every call the script made: the signal may come between a multiplication and its count
+    assert made >= 50 and made <= rep.by_op["aten.mul.Tensor"].calls <= made + 1
+    assert rep.meta["run"]["exit_status"] == 128 + number
+    assert main(["show", str(tmp_path / "r.json")]) == 0  # and it reads as any report
+
+
+def test_a_signal_outside_the_script_is_held_until_the_report_is_written(tmp_path, capsys, monkeypatch):
+    """A SIGTERM that comes while the report is written does not cut the write short: the report is whole, and
+    the command then exits 143. Before the script starts, one stops it at once."""
+    from shadow import reportformat
+
+    dump = reportformat.dump_json
+
+    def signalled_dump(report, f):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, between two bytecodes
+        dump(report, f)
+
+    monkeypatch.setattr(reportformat, "dump_json", signalled_dump)
+    script = tmp_path / "s.py"
+    script.write_text("import torch\ntorch.ones(3) * 2\n")
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["run", "-o", str(tmp_path / "r.json"), str(script)]) == 143
+    assert "shadow: stopped by SIGTERM" in capsys.readouterr().err
+    assert load_report(tmp_path / "r.json").meta["run"]["exit_status"] == 0  # the script itself ran to its end
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers found are back
+    with _Stops() as stops:
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stops.held == signal.SIGHUP
+        with pytest.raises(Stopped, match="stopped by SIGHUP"):
+            with stops.armed():
+                pytest.fail("a script started after a signal came")
+
+
+def test_run_under_torchrun_writes_one_report_per_rank(tmp_path, capsys, monkeypatch):
+    """Each rank of `torchrun -m shadow run` writes its own report (the -o path with .rankN), and `shadow show`
+    merges them; one rank alone writes the path as given."""
+    script = tmp_path / "s.py"
+    script.write_text("import torch\nx = torch.ones(3)\nfor _ in range(int(__import__('os').environ['RANK']) + 1):\n"
+                      "    x = x * 2\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["run", "-o", str(tmp_path / "r.json"), str(script)]) == 0
+        assert f"report written to {tmp_path / f'r.rank{rank}.json'}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("r*.json")) == ["r.rank0.json", "r.rank1.json"]
+    ranks = [load_report(tmp_path / f"r.rank{r}.json").by_op["aten.mul.Tensor"].calls for r in (0, 1)]
+    assert ranks == [1, 2]
+    assert main(["show", str(tmp_path / "r.rank0.json"), str(tmp_path / "r.rank1.json")]) == 0
+    assert "2 reports merged" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["run", "-o", str(tmp_path / "alone.json"), str(script)]) == 0
+    assert (tmp_path / "alone.json").exists()
 
 
 # --- show ---

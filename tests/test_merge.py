@@ -180,7 +180,7 @@ def test_reports_saved_before_per_rank_cells_still_load(merged):
     d["per_rank"][1] = {"cells": []}
     with pytest.raises(ReportFormatError, match=r"per_rank\[1\]: missing field 'rank'"):
         Report.from_dict(d)
-    d["per_rank"][1] = {"rank": 1, "cells": [{"op": "aten.mm.default"}]}
+    d["per_rank"][1] = {"rank": 1, "cells": [{"op": "aten.mm.default", "module": "", "callsite": "", "phase": "other"}]}
     with pytest.raises(ReportFormatError, match=r"per_rank\[1\]\.cells\[0\]: missing field 'aggregate'"):
         Report.from_dict(d)
 

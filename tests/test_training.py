@@ -399,3 +399,71 @@ def test_float64_device_cast_is_the_one_place_it_differs():
     after = sm.report.find(op="aten.mul.Tensor")
     assert after and after[0].drift.max_abs > 0 and after[0].local.exact  # drift from upstream, no error of its own
     assert torch.equal(sm.shadow_of(y), x * 3)
+
+
+# --- nothing of shadow's stays hooked on the program ---------------------------------------------------------
+_HOOK_CENSUS = """
+import gc, sys
+import torch
+import torch.nn.modules.module as modules
+import torch.optim.optimizer as optimizers
+sys.path.insert(0, {tests!r})
+from torch.utils.hooks import RemovableHandle
+import shadow
+from corpus import build
+
+program = build("mha", steps=1)
+model, opt = program.model, program.optimizer
+
+
+def step():
+    opt.zero_grad(set_to_none=True)
+    loss = program.forward(model, program.batches[0])
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def hooks():
+    gc.collect()
+    handles = sum(isinstance(o, RemovableHandle) for o in gc.get_objects())
+    per_module = sum(len(d) for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks,
+                                                               m._backward_hooks, m._backward_pre_hooks))
+    held = sum(len(v) for mod in (modules, optimizers) for k, v in vars(mod).items() if k.startswith("_global") and
+               isinstance(v, dict))  # global module hooks (ModuleTracker's), global optimizer step hooks
+    return handles, per_module, held, len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
+
+
+def shadowed():
+    with shadow.ShadowMode(max_records=10):
+        step()
+
+
+calls = {{"attribute": lambda: shadow.attribute(step),
+          "ablation": lambda: shadow.attribute(step, method="ablation", by="module"),
+          "audit": lambda: shadow.audit(step, precisions=("bf16",), by="module"),
+          "mode": shadowed}}
+before = hooks()
+for name, call in calls.items():
+    call()
+    print(name, *[a - b for a, b in zip(hooks(), before)])
+"""
+
+
+def test_attribute_audit_and_shadowmode_leave_no_hook_behind():
+    """shadow.attribute (linear and ablation), shadow.audit and ShadowMode hook modules, optimizers and autograd while
+    they run (ModuleTracker's global module hooks, optimizer step hooks): after each has returned, on a corpus
+    model (MultiheadAttention) in a fresh process, no RemovableHandle, module hook, global hook or optimizer hook
+    more than before. (A long run under one ShadowMode: tests/test_corpus.py::test_long_run_keeps_no_hook_handles.)"""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _HOOK_CENSUS.format(tests=tests)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines == {name: "0 0 0 0" for name in ("attribute", "ablation", "audit", "mode")}, proc.stdout

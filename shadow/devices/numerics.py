@@ -37,6 +37,9 @@ NUMERICS: dict[str, Callable[[], Any]] = {
         "torch.backends.cuda.math_sdp_enabled",
         "torch.backends.cuda.cudnn_sdp_enabled",
         "torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed",
+        # oneDNN runs CPU bfloat16 convolutions only where its instruction set has AVX-512 (and it is enabled);
+        # elsewhere PyTorch's own kernels round more (docs/budgets.md: Kernel findings)
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported",
     )},
     **{p: _attr(p) for p in (
         "torch.backends.cuda.matmul.allow_tf32",
@@ -53,6 +56,7 @@ NUMERICS: dict[str, Callable[[], Any]] = {
         "torch.backends.mkldnn.matmul.fp32_precision",
         "torch.backends.mkldnn.conv.fp32_precision",
         "torch.backends.mkldnn.rnn.fp32_precision",
+        "torch.backends.mkldnn.enabled",
         "torch.backends.cudnn.enabled",
         "torch.backends.cudnn.deterministic",
         "torch.backends.cudnn.benchmark",

@@ -57,23 +57,18 @@ class SpotStats:
         return self.samples > 0
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The saved form (``shadow.reportformat.SPOT``)."""
+        from ..reportformat import SPOT
+
+        return SPOT.write(self, "spot")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpotStats:
-        """Inverse of ``to_dict``; also reads "inf"/"nan" strings (how saved reports write them)."""
-        def num(v: Any) -> float:
-            return float(v)  # numbers, and the "inf"/"nan" strings of saved reports
+        """Inverse of ``to_dict``; also reads "inf"/"nan" strings (how saved reports write them). A malformed one
+        raises ``ReportFormatError`` naming the field."""
+        from ..reportformat import SPOT
 
-        return cls(
-            samples=int(d["samples"]),
-            ref_err_ulp=num(d["ref_err_ulp"]),
-            device_err_ulp=num(d["device_err_ulp"]),
-            device_err_abs=num(d["device_err_abs"]),
-            max_cancellation=num(d["max_cancellation"]),
-            trusted=bool(d["trusted"]),
-            reason=str(d.get("reason", "")),
-        )
+        return SPOT.read(d, "spot")
 
 
 # not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__ (5x the cost)
