@@ -244,6 +244,15 @@ class Engine:
                 self._internal_error(plan, args, kwargs, out, exc)
         return out
 
+    def graph_call(self, graph: Any, args: tuple) -> Any:
+        """A compiled graph's call (``shadow.compiled.Graph``), dispatched as one op whose plan, replay chain and
+        budget rule the graph gives (``graph.plan``, ``graph.chain``, ``graph.budget``): the record's op is the
+        graph's name, its figures the compiled code's outputs against the float64 replay of its aten graph."""
+        if id(graph) not in self._plans:
+            self._plans[id(graph)] = (graph.plan, graph.chain, False, graph.budget)
+            self._ops.append(graph)
+        return self.dispatch(graph, args, {})
+
     def _plan(self, func) -> tuple[OpPlan, tuple, bool, InUlps | None] | None:
         try:
             plan = plan_of(func)

@@ -1,0 +1,128 @@
+"""A compiled graph's error budget, composed from its ops' budgets.
+
+A correct implementation of the graph in the device's dtypes may round every op's result (each within its op's
+budget, ``shadow.budgets``) and pass every error on through the ops after it. To first order the error of an
+output is then at most
+
+    B = sum over the graph's ops n of |J_n| b_n
+
+with b_n the bound of op n's own error and J_n the derivative of the output in op n's result: each op's bound
+plus what it receives, ``|J| E`` by ``shadow.compiled.propagate``, op by op in graph order. Compiled code that
+keeps intermediates in registers rounds less, and may reorder sums within their bounds: it stays within B. Code
+that rounds to fewer bits than the dtypes say (bfloat16 intermediates, approximate transcendentals) does not.
+
+Effective bits follow the model of ``shadow.budgets.effective_bits``: every op's result rounded once, at the
+unit roundoff that explains the error, independent errors adding in mean square through the same derivatives
+(the scale T**2 = sum over ops of J_n**2 r_n**2, with each sum's accumulation counted as its rule counts it).
+docs/compiled.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..budgets import Budget, budget_for
+from .trace import Node, Traced, Values, remap
+from .propagate import Flow, propagate, within
+
+_EXACT = frozenset({"movement", "empty"})  # budget families of ops that move values without rounding them
+
+
+class GraphBudget:
+    """The budget rule of a graph (``Graph.budget``), as the engine asks an op's budget that reads no argument:
+    ``budget(references, dtype)``, the graph's outputs replayed on the device's inputs. It reads the node values
+    of that replay (``Graph.reference``)."""
+
+    def __init__(self, graph: Any):  # a shadow.compiled.Graph
+        self.graph = graph
+
+    def budget(self, references: list, dtype: torch.dtype) -> Budget:
+        traced, values = self.graph.reference
+        scale: list[float] = []
+
+        def make() -> list:
+            bounds, sq = compose(traced, values, references)
+            scale.append(sq)
+            return bounds
+
+        return Budget("graph", make, outputs=references, dtype=dtype, scale_sq=lambda: (scale[0], 0.0))
+
+
+def compose(traced: Traced, values: Values, references: list) -> tuple[list, float]:
+    """(the bound of each graph output (None where it is discrete), the sum of the squared scales T**2 over the
+    floating outputs)."""
+    worst: dict[torch.fx.Node, list] = {}  # node -> per output: the bound of its error (None: none)
+    square: dict[torch.fx.Node, list] = {}  # node -> per output: the mean square scale of its error
+    for item in traced.nodes:
+        n = item.node
+        if item.plan is None:  # getitem
+            parent, i = n.args
+            worst[n], square[n] = [_at(worst, parent, i)], [_at(square, parent, i)]
+            continue
+        outs = values.outputs(n)
+        if outs is None:  # a random draw, or decided by random draws alone: the device's own values, exact
+            worst[n] = square[n] = [None] * _outputs(item)
+            continue
+        args, kwargs = remap(*torch.fx.node.map_arg((n.args, n.kwargs), lambda a: values.env[a]), _device(outs))
+        flows = [Flow(item.plan, list(args), dict(kwargs), *_errors(n, errors), p, outs)
+                 for p, errors in ((1, worst), (2, square))]
+        own, own_sq = _own(item, args, kwargs, outs)
+        worst[n] = _add(own, propagate(flows[0]))
+        square[n] = _add(own_sq, propagate(flows[1]))
+    bounds, total = [], 0.0
+    for k, v in enumerate(traced.output.args[0]):
+        r = references[k] if k < len(references) else None
+        if not isinstance(r, torch.Tensor) or not (r.is_floating_point() or r.is_complex()):
+            bounds.append(None)
+            continue
+        b, q = (_at(worst, v, 0), _at(square, v, 0)) if isinstance(v, torch.fx.Node) else (None, None)
+        bounds.append(within(torch.broadcast_to(b, r.shape)) if b is not None else torch.zeros_like(r, dtype=torch.float64))
+        if q is not None:
+            q = torch.broadcast_to(q, r.shape)
+            total += float(q[torch.isfinite(q)].sum())
+    return bounds, total
+
+
+def _own(item: Node, args: Any, kwargs: Any, outs: list) -> tuple[list, list]:
+    """The node's own error: its budget's bound per output, and the mean square scale of one rounding of each
+    result (with its sum's accumulation where its rule counts one); none for views and exact data movement."""
+    floating = [o if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()) else None
+                for o in outs]
+    dtype = next((d for d, o in zip(item.dtypes, floating) if o is not None and d is not None), None)
+    if item.plan.is_view or dtype is None:
+        return [None] * len(outs), [None] * len(outs)
+    budget = budget_for(item.plan.func, args, kwargs, outs, dtype)
+    if budget.family in _EXACT:
+        return [None] * len(outs), [None] * len(outs)
+    bounds = list(budget.bound) + [None] * (len(outs) - len(budget.bound))
+    scale, acc = budget.scales()
+    r_sq = sum(float(o.abs().square().sum()) for o in floating if o is not None)
+    share = 1.0 + acc / r_sq if r_sq > 0 and math.isfinite(acc) else 1.0
+    squares = [o.abs().square() * share if o is not None else None for o in floating]
+    return [b if f is not None else None for b, f in zip(bounds, floating)], squares
+
+
+def _errors(n: torch.fx.Node, errors: dict) -> tuple[list, dict]:
+    """The node's arguments with every node replaced by the bound of its error (None: none)."""
+    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: _at(errors, a, 0))
+    return list(args), dict(kwargs)
+
+
+def _at(errors: dict, node: Any, i: int) -> Any:
+    found = errors.get(node)
+    return found[i] if found is not None and i < len(found) else None
+
+
+def _add(a: list, b: list) -> list:
+    return [x if y is None else y if x is None else x + y for x, y in zip(a, b + [None] * (len(a) - len(b)))]
+
+
+def _outputs(item: Node) -> int:
+    return max(len(item.dtypes), 1)
+
+
+def _device(outs: list) -> torch.device:
+    return next((o.device for o in outs if isinstance(o, torch.Tensor)), torch.device("cpu"))
