@@ -86,6 +86,18 @@ class _Tracker(ModuleTracker):
             self._innermost = _innermost(self._parents)
         return self._innermost
 
+    def _get_mod_name(self, mod: torch.nn.Module) -> str:
+        # torch.compile(model): the OptimizedModule is named as the model it compiles, and the model's modules
+        # and parameters as in an eager run ("Block.up.weight", not "OptimizedModule._orig_mod.up.weight")
+        orig = getattr(mod, "_orig_mod", None)
+        if not isinstance(orig, torch.nn.Module):
+            return super()._get_mod_name(mod)
+        if mod not in self._seen_modules:
+            name = self._known_modules.get(mod) or self._known_modules.get(orig) or type(orig).__name__
+            self._known_modules[mod] = self._known_modules[orig] = name
+            self._seen_modules.add(mod)
+        return super()._get_mod_name(orig)
+
     def _get_append_fn(self, name: str, is_bw: bool) -> Callable:
         return self._forgetting(super()._get_append_fn(name, is_bw))
 
@@ -105,6 +117,8 @@ class _Tracker(ModuleTracker):
         self._fired.clear()
 
     def _fw_pre_hook(self, mod, input) -> None:
+        if _compiling():  # dynamo traces a compiled module's hooks into its graph: nothing of shadow's goes there
+            return
         if self._fired:
             self._remove_fired()
         name = self._get_mod_name(mod)
@@ -116,6 +130,8 @@ class _Tracker(ModuleTracker):
         self._calls.setdefault(mod, []).append((exit_hook, {_edge(a) for a in inputs}))
 
     def _fw_post_hook(self, mod, input, output) -> None:
+        if _compiling():
+            return
         name = self._get_mod_name(mod)
         self._get_pop_fn(name, False)()
         calls = self._calls.get(mod)  # none: the tracker was entered during this module's forward
@@ -142,6 +158,9 @@ class _Tracker(ModuleTracker):
 
         self._waiting[key] = register_multi_grad_hook(tensors, fire)
         return key
+
+
+_compiling = torch.compiler.is_compiling
 
 
 def _needing_grad(value: Any) -> list[torch.Tensor]:

@@ -8,8 +8,11 @@ and on while the compiled code runs. torch 2.4: no such operator; Inductor's ``c
 mode is active, so that each graph it compiles comes back as a ``Compiled`` callable holding its aten graph
 (``shadow._compat.wrap_inductor_graphs``).
 
-Either way only graphs compiled while a ShadowMode is active are seen: a module compiled and run before the
-block runs its earlier code, unseen (``ShadowMode`` says so).
+Either way only graphs compiled while a ShadowMode is active are seen. On torch 2.13 a compiled module called
+under ShadowMode runs with ``Recompile`` on the torch function mode stack, so that code compiled before the block
+is compiled once more for calls under it (dynamo guards each compiled frame on the function modes active at its
+compile). A compiled plain function, or a module compiled with ``model.compile()`` (whose module hooks dynamo
+compiles too), first called before the block, runs its earlier code unseen.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from .. import _compat
@@ -97,3 +101,27 @@ class Compiled:
             with _pop_mode_temporarily() as mode:
                 return mode.graph_call(self.compiled, self.source, inputs)
         return self.compiled(inputs)
+
+
+class Recompile(TorchFunctionMode):
+    """A torch function mode that changes nothing, pushed around a compiled module's call under ShadowMode (torch
+    2.13): code dynamo compiled for the module before the block does not match it, so the module is compiled once
+    more, with its graphs shown to the mode; later blocks reuse that code, and outside any block the earlier code
+    runs as before."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def recompiled(module: torch.nn.Module) -> Callable[[], None]:
+    """Push ``Recompile`` until ``module``'s call returns (or raises); returns the handle's remover."""
+    mode = Recompile()
+    mode.__enter__()
+    handle = None
+
+    def leave(*_: Any) -> None:
+        mode.__exit__(None, None, None)
+        handle.remove()
+
+    handle = module.register_forward_hook(leave, always_call=True)
+    return handle.remove

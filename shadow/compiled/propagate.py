@@ -20,7 +20,9 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -324,8 +326,20 @@ def _derivative(f: Flow, where: tuple, v: torch.Tensor, tangent: torch.Tensor) -
         out = _flat(f.plan.func(*args, **kwargs))
         return tuple(o if _floating(o) else torch.zeros(()) for o in out)
 
+    _load_forward_ad()
     _, d = jvp(fn, (v.contiguous(),), (tangent.to(v.dtype).contiguous(),))  # an expanded primal refuses its tangent
     return [dk if _floating(r) else None for dk, r in zip(d, f.outputs)]
+
+
+@functools.cache
+def _load_forward_ad() -> None:
+    """Forward-mode AD loads its decompositions at its first use, scripting them with torch.jit, which warns
+    (DeprecationWarning on torch 2.13): loaded here once, so that no warning of shadow's reaches the program."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.autograd.forward_ad import _maybe_load_decompositions
+
+        _maybe_load_decompositions()
 
 
 def within(bound: torch.Tensor) -> torch.Tensor:
