@@ -117,7 +117,7 @@ class _Tracker(ModuleTracker):
         self._fired.clear()
 
     def _fw_pre_hook(self, mod, input) -> None:
-        if _compiling():  # dynamo traces a compiled module's hooks into its graph: nothing of shadow's goes there
+        if _compiling():  # a compiled module's modules run while torch.compile traces them: not the program's calls
             return
         if self._fired:
             self._remove_fired()
@@ -160,7 +160,10 @@ class _Tracker(ModuleTracker):
         return key
 
 
-_compiling = torch.compiler.is_compiling
+def _compiling() -> bool:
+    """torch.compile is tracing: dynamo (which compiles the hooks into its graph: nothing of shadow's goes there),
+    or AOTAutograd on torch 2.4 (which runs the modules of dynamo's graph on fake tensors, and their backward)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 def _needing_grad(value: Any) -> list[torch.Tensor]:

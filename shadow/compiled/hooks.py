@@ -18,12 +18,12 @@ compiles too), first called before the block, runs its earlier code unseen.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _compat
 from .graph import Graph
@@ -37,7 +37,7 @@ class Graphs:
     report's meta (``GRAPHS_KEY``)."""
 
     def __init__(self, meta: dict):
-        self._by_code: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # compiled callable -> Graph
+        self._by_code = WeakIdKeyDictionary()  # compiled callable -> Graph (a CompiledFxGraph has no hash)
         self._meta = meta
 
     def get(self, compiled: Any, source: torch.fx.GraphModule) -> Graph:
@@ -91,10 +91,10 @@ class Compiled:
     mode (the innermost one), the call goes to ``mode.graph_call`` with the mode off, as the operator's would;
     otherwise the compiled code runs as it is."""
 
-    _boxed_call = True  # AOTAutograd passes the inputs as one list
-
     def __init__(self, compiled: Callable[[list], Any], source: torch.fx.GraphModule, mode: type):
         self.compiled, self.source, self._mode = compiled, source, mode
+        # AOTAutograd passes the inputs as one list; an instance attribute: its wrappers copy __dict__ (wraps)
+        self._boxed_call = True
 
     def __call__(self, inputs: list) -> Any:
         if isinstance(_get_current_dispatch_mode(), self._mode):
