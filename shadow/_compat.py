@@ -125,3 +125,17 @@ def show_compiled_graphs(wrap: Callable[[Any, Any], Any], load: bool) -> Callabl
 
     compile_fx.compile_fx = compile_fx_shown
     return lambda: setattr(compile_fx, "compile_fx", original)
+
+
+def drop_compiled_code(module: torch.nn.Module) -> None:
+    """Drop the code dynamo compiled for a ``torch.compile(model)`` module, so that its next call compiles again:
+    the entries of the model's ``forward`` (the frame dynamo compiles, torch 2.4 to 2.13) and of the function the
+    module's ``forward`` wraps (``wrap_inline``'s, or the model's ``__call__``). Both torch versions keep the
+    cache per code object (``reset_code``) and the wrapped function as ``innermost_fn``."""
+    from torch._dynamo.eval_frame import innermost_fn
+
+    for fn in (innermost_fn(module.forward), getattr(module, "_orig_mod", module).forward):
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            torch._C._dynamo.eval_frame.reset_code(code)

@@ -36,9 +36,15 @@ class Graph:
         self.reference: tuple[Traced, Values] | None = None  # the last replay's graph and node values
 
     def __call__(self, *inputs: Any) -> Any:
-        """The device's computation: the compiled code, on the call's inputs."""
+        """The device's computation: the compiled code, on the call's inputs; its outputs as the plan returns them
+        (a graph of one output returns it alone: ``boxed`` makes the list the compiled code returns again)."""
         self._call = self._trace(inputs)
-        return self.compiled(list(inputs))
+        out = self.compiled(list(inputs))
+        return out[0] if len(self.plan.returns) == 1 else out
+
+    def boxed(self, out: Any) -> Any:
+        """What the compiled code returns, from what ``__call__`` returned."""
+        return [out] if len(self.plan.returns) == 1 else out
 
     def _trace(self, inputs: tuple) -> Traced | Exception:
         key = tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in inputs)
@@ -64,7 +70,7 @@ class Graph:
         except Unsupported as exc:
             raise Unsupported(self.name, f"{exc.op}: {exc.reason}") from exc
         self.reference = (traced, values)
-        return Kind.REPLAYED, outs
+        return Kind.REPLAYED, outs[0] if len(self.plan.returns) == 1 else outs
 
 
 def _graph_plan(graph: Graph, gm: torch.fx.GraphModule, name: str) -> OpPlan:

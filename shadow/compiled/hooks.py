@@ -8,20 +8,20 @@ and on while the compiled code runs. torch 2.4: no such operator; Inductor's ``c
 mode is active, so that each graph it compiles comes back as a ``Compiled`` callable holding its aten graph
 (``shadow._compat.wrap_inductor_graphs``).
 
-Either way only graphs compiled while a ShadowMode is active are seen. On torch 2.13 a compiled module called
-under ShadowMode runs with ``Recompile`` on the torch function mode stack, so that code compiled before the block
-is compiled once more for calls under it (dynamo guards each compiled frame on the function modes active at its
-compile). A compiled plain function, or a module compiled with ``model.compile()`` (whose module hooks dynamo
-compiles too), first called before the block, runs its earlier code unseen.
+Either way only graphs compiled while a ShadowMode is active are seen: a ``torch.compile(model)`` module first
+called under a ShadowMode has the code dynamo compiled for it before dropped (``recompile``), so that the call
+compiles it again. A compiled plain function, a module compiled with ``model.compile()`` (whose module hooks
+dynamo compiles too) and the functions a compiled module calls across a graph break keep code compiled before
+the block: it runs unseen (compile them inside the block, or call ``torch._dynamo.reset()`` before it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -103,25 +103,14 @@ class Compiled:
         return self.compiled(inputs)
 
 
-class Recompile(TorchFunctionMode):
-    """A torch function mode that changes nothing, pushed around a compiled module's call under ShadowMode (torch
-    2.13): code dynamo compiled for the module before the block does not match it, so the module is compiled once
-    more, with its graphs shown to the mode; later blocks reuse that code, and outside any block the earlier code
-    runs as before."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return func(*args, **(kwargs or {}))
+_RECOMPILED: weakref.WeakSet = weakref.WeakSet()  # compiled modules whose code dynamo dropped under a ShadowMode
 
 
-def recompiled(module: torch.nn.Module) -> Callable[[], None]:
-    """Push ``Recompile`` until ``module``'s call returns (or raises); returns the handle's remover."""
-    mode = Recompile()
-    mode.__enter__()
-    handle = None
-
-    def leave(*_: Any) -> None:
-        mode.__exit__(None, None, None)
-        handle.remove()
-
-    handle = module.register_forward_hook(leave, always_call=True)
-    return handle.remove
+def recompile(module: torch.nn.Module) -> None:
+    """Before a torch.compile'd module's first call under a ShadowMode (once per module and process): drop the code
+    dynamo compiled for it (and for the modules whose compiled entry function it shares), so that this call compiles
+    it again, its graphs shown. What the block compiles is reused outside it, where it runs as the earlier code
+    did (the same Inductor code: a graph shown to the mode runs as it is when no mode is active)."""
+    if module not in _RECOMPILED:
+        _RECOMPILED.add(module)
+        _compat.drop_compiled_code(module)

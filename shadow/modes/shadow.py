@@ -41,8 +41,8 @@ class _ShadowDispatch(TorchDispatchMode):
         """A compiled graph's call (shadow.compiled.hooks), with this mode off: judged as one op."""
         prior = _set_eval_frame(None)  # as in __torch_dispatch__: no frame of shadow's is traced by dynamo
         try:
-            with _no_torch_function():  # shadow's work sees no torch function mode (hooks.Recompile's)
-                return self._engine.graph_call(self._graphs.get(compiled, source), tuple(inputs))
+            graph = self._graphs.get(compiled, source)
+            return graph.boxed(self._engine.graph_call(graph, tuple(inputs)))
         finally:
             if prior is not None:
                 _set_eval_frame(prior)
@@ -71,7 +71,6 @@ class _ShadowDispatch(TorchDispatchMode):
 
 
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
-_no_torch_function = torch._C.DisableTorchFunction
 _GRAPHS_SHOWN = hooks.install(_ShadowDispatch)  # whether this torch shows each compiled graph's call to the mode
 
 
@@ -136,8 +135,7 @@ class ShadowMode:
         kernels shadow never sees (its outputs are adopted from the device after it returns). Counted; warned
         once per run."""
         if self._show():
-            if _GRAPHS_SHOWN:
-                hooks.recompiled(mod)
+            hooks.recompile(mod)
             return
         eager = _compat.compile_skips_dispatch_modes()
         if not eager and mod not in self._adopting:
