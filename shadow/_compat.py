@@ -89,17 +89,16 @@ def show_compiled_graphs(wrap: Callable[[Any, Any], Any], load: bool) -> Callabl
     """Make the graphs Inductor compiles from now on visible to ShadowMode: torch 2.13 sets Inductor's
     ``wrap_inductor_compiled_regions``; torch 2.4 wraps ``compile_fx`` so that each graph ``compile_fx_inner``
     compiles comes back as ``wrap(compiled, aten graph)`` (the graph copied before Inductor's passes rewrite it).
-    Returns the undo, or None where Inductor is not loaded and ``load`` is False (nothing compiled yet)."""
+    Returns the undo, or None where Inductor's config is not loaded and ``load`` is False (``torch.compile`` with
+    Inductor loads it: nothing compiles with Inductor yet)."""
+    if not load and "torch._inductor.config" not in sys.modules:
+        return None
     if compiled_graph_operator() is not None:
-        if not load and "torch._inductor.config" not in sys.modules:
-            return None
         import torch._inductor.config as config
 
         saved = config.wrap_inductor_compiled_regions
         config.wrap_inductor_compiled_regions = True
         return lambda: setattr(config, "wrap_inductor_compiled_regions", saved)
-    if not load and "torch._inductor.compile_fx" not in sys.modules:
-        return None
     import torch._inductor.compile_fx as compile_fx
 
     original = compile_fx.compile_fx

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shadow
-from shadow import ShadowMode
+from shadow import ShadowMode, _compat
 from shadow.compiled.hooks import GRAPHS_KEY
 
 from corpus import build, run
@@ -68,7 +68,8 @@ def test_compiled_training_is_untouched_and_judged(name):
     assert_sees_everything(sm)
     recs = _graph_records(sm)
     _assert_judged(recs, ["forward", "backward"] * 2)
-    assert recs[0].op == recs[2].op and recs[1].op == recs[3].op != recs[0].op  # the same two graphs each step
+    if _compat.compiled_graph_operator() is not None:  # torch 2.4's dynamo compiles again at each call under a mode
+        assert recs[0].op == recs[2].op and recs[1].op == recs[3].op != recs[0].op  # the same two graphs each step
     graphs = sm.report.meta[GRAPHS_KEY]
     assert all(graphs[r.op]["ops"] > 10 for r in recs)
     assert recs[0].module == type(build(name).model).__name__  # the compiled model, named as in an eager run
@@ -137,42 +138,42 @@ def test_compiled_function_forward_and_backward():
     assert _rel(sm.shadow_of(y), y64) < 1e-12 and _rel(sm.shadow_of(grad), grad64) < 1e-12
 
 
-# --- a graph less accurate than its dtypes: a lowering that rounds exp's argument to bfloat16 -----------------
+# --- a graph less accurate than its dtypes: a lowering that truncates exp's argument to bfloat16 -------------
 @contextlib.contextmanager
-def _exp_in_bfloat16():
-    """Inductor lowers exp with its argument rounded to bfloat16 (the graph still says float32), for graphs compiled
-    inside the block, without Inductor's caches (their keys do not see lowerings)."""
+def _exp_of_bfloat16():
+    """Inductor lowers exp with its argument truncated to bfloat16's 8 bits (its float32 bits ANDed with
+    0xFFFF0000: Inductor computes a cast to bfloat16 and back in float32, folding it away), for graphs compiled
+    inside the block, without Inductor's caches (their keys do not see lowerings). The graph still says exp."""
     from torch._inductor import config, lowering
 
-    exact = lowering.lowerings[aten.exp.default]
+    table = lowering.lowerings
+    exact = table[aten.exp.default]
 
-    def rounded(x):
-        return exact(lowering.to_dtype(lowering.to_dtype(x, torch.bfloat16), torch.float32))
+    def truncated(x):
+        bits = table[aten.view.dtype](x, torch.int32)
+        return exact(table[aten.view.dtype](table[aten.bitwise_and.Scalar](bits, -65536), torch.float32))
 
-    lowering.lowerings[aten.exp.default] = rounded
+    table[aten.exp.default] = truncated
     try:
-        # Inductor computes a cast's intermediate in float32 unless told to emulate it (torch 2.4 always rounds)
-        emulate = {"emulate_precision_casts": True} if hasattr(config, "emulate_precision_casts") else {}
-        with config.patch(force_disable_caches=True, **emulate):
+        with config.patch(force_disable_caches=True):
             yield
     finally:
-        lowering.lowerings[aten.exp.default] = exact
+        table[aten.exp.default] = exact
 
 
 def test_graph_rounding_to_bfloat16_is_over_budget():
-    """exp(x @ w / 4) compiled with exp's argument rounded to bfloat16: relative error ~|x| 2**-9 on exp, far over
-    the float32 budget, reading about bfloat16's 8 bits rather than float32's 23; the same function compiled as
-    Inductor lowers it stays within budget."""
+    """exp(x @ w / 4) + 1 compiled with exp's argument truncated to bfloat16: relative error up to |x| 2**-7 on exp,
+    far over the float32 budget (measured: used 2.2e3, 8.7 bits), reading about bfloat16's bits rather than float32's 23; the
+    same function compiled as Inductor lowers it stays within budget."""
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(8, 16, generator=g), torch.randn(16, 16, generator=g)
 
     def scores(x, w):
         return torch.exp(x @ w / 4) + 1
 
-    with _exp_in_bfloat16(), ShadowMode() as sm:
+    with _exp_of_bfloat16(), ShadowMode() as sm:
         torch.compile(scores)(x, w)
     (rec,) = _graph_records(sm)
-    print(rec.budget, rec.local)
     assert rec.over_budget and rec.budget.used > 100, rec.budget
     assert rec.local.effective_bits < 10, rec.local
 
