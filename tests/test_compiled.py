@@ -78,8 +78,11 @@ def test_compiled_training_is_untouched_and_judged(name):
 @pytest.mark.parametrize("name", ["block", pytest.param("gpt_masked_fill", marks=pytest.mark.slow)])
 def test_compiled_shadow_is_the_float64_program(name):
     """The shadow of a compiled float32 run is the float64 program run eagerly (no compile): its losses and
-    parameters after two AdamW steps agree to 1e-12 relative (measured ~1e-16: the graphs' float64 replays sum in
-    another order than the eager float64 kernels)."""
+    parameters after two AdamW steps agree to 1e-12 relative (measured: the losses exactly, parameters within
+    1e-13: the graphs' float64 replays sum in another order than the eager float64 kernels). Except the GPT's key
+    biases (qkv.bias[32:64]): their gradient is 0 in exact arithmetic (a key bias adds q.b to every score of a row,
+    and softmax ignores a row's shift), so both float64 runs hold rounding noise there, which Adam's update
+    divides by its own size (measured 3e-12 to 5e-12 apart)."""
     program = _no_dropout(build(name, habit="compile_inductor"))
     sm = ShadowMode()
     losses = _run(program, sm)["losses"]
@@ -89,7 +92,11 @@ def test_compiled_shadow_is_the_float64_program(name):
     for got, want in zip(losses[:-1], expected[:-1]):  # the last entry is the learning rates
         assert _rel(sm.shadow_of(got), want) < 1e-12
     for (n, p), (_, q) in zip(program.model.named_parameters(), reference.model.named_parameters()):
-        assert _rel(sm.shadow_of(p), q) < 1e-12, n
+        got, want = sm.shadow_of(p), q.detach()
+        if n.endswith("attn.qkv.bias"):
+            keys = torch.arange(len(want)) // (len(want) // 3) == 1
+            got, want = got[~keys], want[~keys]
+        assert _rel(got, want) < 1e-12, n
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
