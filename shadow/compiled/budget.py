@@ -46,6 +46,7 @@ class GraphBudget:
         def make() -> list:
             bounds, sq = compose(traced, values, references)
             scale.append(sq)
+            self.graph.reference = None  # every node's value of the replay: read, let go
             return bounds
 
         return Budget("graph", make, outputs=references, dtype=dtype, scale_sq=lambda: (scale[0], 0.0))
@@ -67,7 +68,8 @@ def compose(traced: Traced, values: Values, references: list) -> tuple[list, flo
             worst[n] = square[n] = [None] * _outputs(item)
             continue
         args, kwargs = remap(*torch.fx.node.map_arg((n.args, n.kwargs), lambda a: values.env[a]), _device(outs))
-        flows = [Flow(item.plan, list(args), dict(kwargs), *_errors(n, errors), p, outs)
+        derivatives: dict = {}
+        flows = [Flow(item.plan, list(args), dict(kwargs), *_errors(n, errors), p, outs, derivatives)
                  for p, errors in ((1, worst), (2, square))]
         own, own_sq = _own(item, args, kwargs, outs)
         worst[n] = _add(own, propagate(flows[0]))

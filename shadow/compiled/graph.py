@@ -19,9 +19,11 @@ from .trace import Traced, Values
 
 class Graph:
     """One compiled graph (``compiled``, a boxed callable: it takes a list of inputs, which it may clear) and its
-    aten graph ``source``, as one op named ``name`` for the engine (``Engine.graph_call``): ``plan`` (an
-    argument per input, a return per output, the inputs the graph writes), ``chain`` (its replay), ``budget``
-    (its composed budget, which reads the reference replay's values)."""
+    aten graph ``source``, as one op named ``name`` for the engine (``Engine.graph_call``): calling the graph runs
+    the compiled code (the device's computation); ``plan`` (an argument per input, a return per output, the inputs
+    the graph writes; its ``func`` is ``replayed``, the aten graph on float64 values, as an op's is its kernel,
+    which shadow.audit runs on its worlds' values), ``chain`` (the replay rule), ``budget`` (its composed budget,
+    which reads the reference replay's values)."""
 
     def __init__(self, compiled: Callable[[list], Any], source: torch.fx.GraphModule, name: str):
         self.compiled = compiled
@@ -32,15 +34,21 @@ class Graph:
         self.chain = (self._replay,)
         self.budget = GraphBudget(self)
         self._traced: dict[tuple, Traced | Exception] = {}
-        self._call: Traced | Exception | None = None  # the traced graph of the call running
+        self._call: Traced | Exception | None = None  # the traced graph of the last call
+        self._out: Any = None  # the last call's device outputs (random-only values come from there)
         self.reference: tuple[Traced, Values] | None = None  # the last replay's graph and node values
 
     def __call__(self, *inputs: Any) -> Any:
         """The device's computation: the compiled code, on the call's inputs; its outputs as the plan returns them
         (a graph of one output returns it alone: ``boxed`` makes the list the compiled code returns again)."""
-        self._call = self._trace(inputs)
+        self._call, self.reference = self._trace(inputs), None
         out = self.compiled(list(inputs))
-        return out[0] if len(self.plan.returns) == 1 else out
+        self._out = out[0] if len(self.plan.returns) == 1 else out
+        return self._out
+
+    def release(self) -> None:
+        """Let go of the last call's tensors (its outputs, its replay's values)."""
+        self._out = self.reference = None
 
     def boxed(self, out: Any) -> Any:
         """What the compiled code returns, from what ``__call__`` returned."""
@@ -57,20 +65,29 @@ class Graph:
             self._traced[key] = traced
         return traced
 
-    def _replay(self, r: Replay) -> tuple[Kind, list]:
+    def _replay(self, r: Replay) -> tuple[Kind, Any]:
         """The replay rule: the traced graph on float64 inputs; its node values are kept for the budget (the
         engine replays on the shadows first, then on the device's inputs where they differ: the last replay is
         the one the local error is measured against)."""
+        outs, self.reference = self._run(r.args, r.device_out)
+        return Kind.REPLAYED, outs
+
+    def replayed(self, *inputs: Any) -> Any:
+        """The aten graph of the last call on float64 ``inputs``: the graph as an op's float64 kernel."""
+        return self._run(inputs, self._out)[0]
+
+    def _run(self, inputs: Any, device_out: Any) -> tuple[Any, tuple[Traced, Values]]:
         traced = self._call
         if not isinstance(traced, Traced):
             raise Unsupported(self.name, f"its aten graph could not be traced: {type(traced).__name__}: "
                               f"{str(traced).splitlines()[0][:160] if str(traced) else ''}")
+        if device_out is not None and len(self.plan.returns) == 1:
+            device_out = [device_out]
         try:
-            outs, values = traced.run(list(r.args), r.device_out)
+            outs, values = traced.run(list(inputs), device_out)
         except Unsupported as exc:
             raise Unsupported(self.name, f"{exc.op}: {exc.reason}") from exc
-        self.reference = (traced, values)
-        return Kind.REPLAYED, outs[0] if len(self.plan.returns) == 1 else outs
+        return outs[0] if len(self.plan.returns) == 1 else outs, (traced, values)
 
 
 def _graph_plan(graph: Graph, gm: torch.fx.GraphModule, name: str) -> OpPlan:
@@ -88,7 +105,7 @@ def _graph_plan(graph: Graph, gm: torch.fx.GraphModule, name: str) -> OpPlan:
                                   aliases_read=base is not None and base not in written))
     writes = tuple(s for s in specs if s.write)
     op_name = name.split(".", 1)[-1]
-    return OpPlan(func=graph, call=graph, name=name, op_name=op_name, base=op_name,
+    return OpPlan(func=graph.replayed, call=graph.replayed, name=name, op_name=op_name, base=op_name,
                   positions={n.name: i for i, n in enumerate(placeholders)},
                   params=tuple(Param(n.name, False, False, None) for n in placeholders), tensor_args=specs,
                   remap_args=(), returns=tuple(returns), tags=frozenset(), writes=writes,

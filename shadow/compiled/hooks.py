@@ -9,17 +9,16 @@ mode is active, so that each graph it compiles comes back as a ``Compiled`` call
 (``shadow._compat.wrap_inductor_graphs``).
 
 Either way only graphs compiled while a ShadowMode is active are seen: a ``torch.compile(model)`` module first
-called under a ShadowMode has the code dynamo compiled for it before dropped (``recompile``), so that the call
-compiles it again. A compiled plain function, a module compiled with ``model.compile()`` (whose module hooks
+called in a ShadowMode block has the code dynamo compiled for it before dropped (``Watch.compiled_module``), so
+that the call compiles it again. A compiled plain function, a module compiled with ``model.compile()`` (whose module hooks
 dynamo compiles too) and the functions a compiled module calls across a graph break keep code compiled before
 the block: it runs unseen (compile them inside the block, or call ``torch._dynamo.reset()`` before it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
@@ -49,6 +48,11 @@ class Graphs:
                                                   "outputs": len(graph.plan.returns)}
         return graph
 
+    def release(self) -> None:
+        """At the block's end: no graph keeps its last call's tensors."""
+        for graph in self._by_code.values():
+            graph.release()
+
 
 # --- torch 2.13: the higher-order operator ---
 def install(mode: type) -> bool:
@@ -63,27 +67,45 @@ def install(mode: type) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def watching(mode: type) -> Iterator[Callable[[], bool]]:
-    """While a ShadowMode is active: graphs compiled now come back visible to ``mode`` (torch 2.13: Inductor's
-    flag; 2.4: ``compile_fx`` wrapped). Yields ``ensure``, which sets it up where Inductor was not loaded yet at
-    the start (called before a compiled module runs: loading Inductor takes seconds, only paid where it is used)
-    and says whether compiled graphs are shown."""
-    undo: list[Callable[[], None]] = []
+class Watch:
+    """What a ShadowMode block does so that compiled graphs reach ``mode``: ``start`` and ``stop`` with the block
+    (graphs Inductor compiles in between come back shown: torch 2.13's flag, or 2.4's ``compile_fx`` wrapped), and
+    ``compiled_module`` before a torch.compile'd module's call."""
 
-    def ensure(load: bool = True) -> bool:
-        if not undo:
-            restore = _compat.show_compiled_graphs(lambda compiled, source: Compiled(compiled, source, mode), load)
+    def __init__(self, mode: type):
+        self._mode = mode
+        self._undo: list[Callable[[], None]] = []
+        self._recompiled: weakref.WeakSet = weakref.WeakSet()  # the compiled modules this block compiled again
+
+    def start(self) -> None:
+        self._recompiled = weakref.WeakSet()
+        self._show(load=False)
+
+    def stop(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _show(self, load: bool) -> bool:
+        """Set it up (``load``: where Inductor was not loaded yet at the start: loading it takes seconds, paid
+        only before a compiled module's call); whether compiled graphs are shown."""
+        if not self._undo:
+            restore = _compat.show_compiled_graphs(lambda compiled, source: Compiled(compiled, source, self._mode),
+                                                   load)
             if restore is not None:
-                undo.append(restore)
-        return bool(undo)
+                self._undo.append(restore)
+        return bool(self._undo)
 
-    ensure(load=False)
-    try:
-        yield ensure
-    finally:
-        for restore in undo:
-            restore()
+    def compiled_module(self, module: torch.nn.Module) -> bool:
+        """A torch.compile'd module is about to run in the block: whether its graphs are shown. Its first call in
+        the block compiles it again (the code dynamo compiled for it before is dropped): code compiled outside a
+        block shows nothing, and dynamo compiles the module again outside a block after one (its code in the
+        block is guarded on the module hooks ShadowMode registers), each time the calls move in or out."""
+        if not self._show(load=True):
+            return False
+        if module not in self._recompiled:
+            self._recompiled.add(module)
+            _compat.drop_compiled_code(module)
+        return True
 
 
 class Compiled:
@@ -102,15 +124,3 @@ class Compiled:
                 return mode.graph_call(self.compiled, self.source, inputs)
         return self.compiled(inputs)
 
-
-_RECOMPILED: weakref.WeakSet = weakref.WeakSet()  # compiled modules whose code dynamo dropped under a ShadowMode
-
-
-def recompile(module: torch.nn.Module) -> None:
-    """Before a torch.compile'd module's first call under a ShadowMode (once per module and process): drop the code
-    dynamo compiled for it (and for the modules whose compiled entry function it shares), so that this call compiles
-    it again, its graphs shown. What the block compiles is reused outside it, where it runs as the earlier code
-    did (the same Inductor code: a graph shown to the mode runs as it is when no mode is active)."""
-    if module not in _RECOMPILED:
-        _RECOMPILED.add(module)
-        _compat.drop_compiled_code(module)

@@ -39,7 +39,7 @@ aten = torch.ops.aten
 class Flow:
     """A rule's input: the op's plan, the float64 arguments it read, the bounds on their errors in the same
     places (a tensor argument's bound has its shape; None where it carries no error), the power p (1: worst
-    case, 2: variances) and the op's outputs, flattened."""
+    case, 2: variances), the op's outputs, flattened, and the derivatives rules computed for the node."""
 
     plan: OpPlan
     args: list
@@ -48,6 +48,7 @@ class Flow:
     error_kwargs: dict
     power: int
     outputs: list
+    derivatives: dict = dataclasses.field(default_factory=dict)  # shared by a node's flows of either power
 
     def arg(self, name: str, default: Any = None) -> Any:
         return self.plan.arg(self.args, self.kwargs, name, default)
@@ -194,26 +195,50 @@ def _pointwise(plan: OpPlan) -> bool:
     return torch.Tag.pointwise in plan.tags
 
 
-@PROPAGATE.register_predicate(lambda plan: plan.name == "prims.fma.default")  # an Inductor prim, loaded with it
-def fma_rule(f: Flow) -> Any:
-    """a * b + c (prims have no forward-mode derivatives): |b|**p E_a + |a|**p E_b + E_c."""
-    a, b, c = f.args[:3]
-    ea, eb, ec = f.errors[:3]
-    total = torch.zeros_like(f.outputs[0])
-    for e, weight in ((ea, b), (eb, a), (ec, 1.0)):
-        if e is not None:
-            total = total + f.magnitude(weight) * e
-    return [total]
+def _div(f: Flow) -> dict:
+    if f.arg("rounding_mode") is not None:  # trunc, floor: piecewise constant
+        return {}
+    b = f.arg("other")
+    return {"self": 1.0 / b, "other": -f.outputs[0] / b}
+
+
+_SQRT_PI = math.sqrt(math.pi)
+# d out / d argument of the common single-output pointwise ops, by base name and argument name, from the op's
+# float64 arguments and result (an argument not named: derivative 0); the other pointwise ops by forward-mode AD
+DERIVATIVES: dict[str, Callable[[Flow], dict[str, Any]]] = {
+    "add": lambda f: {"self": 1.0, "other": f.arg("alpha", 1)},
+    "sub": lambda f: {"self": 1.0, "other": -f.arg("alpha", 1)},
+    "rsub": lambda f: {"self": -f.arg("alpha", 1), "other": 1.0},
+    "mul": lambda f: {"self": f.arg("other"), "other": f.arg("self")},
+    "div": _div,
+    "fma": lambda f: {"a": f.arg("b"), "b": f.arg("a"), "c": 1.0},  # Inductor's prim: a * b + c
+    "neg": lambda f: {"self": -1.0},
+    "exp": lambda f: {"self": f.outputs[0]},
+    "log": lambda f: {"self": 1.0 / f.arg("self")},
+    "sqrt": lambda f: {"self": 0.5 / f.outputs[0]},
+    "rsqrt": lambda f: {"self": -0.5 * f.outputs[0] ** 3},
+    "reciprocal": lambda f: {"self": -f.outputs[0] ** 2},
+    "erf": lambda f: {"self": 2.0 / _SQRT_PI * torch.exp(-f.arg("self") ** 2)},
+    "tanh": lambda f: {"self": 1.0 - f.outputs[0] ** 2},
+    "sigmoid": lambda f: {"self": f.outputs[0] * (1.0 - f.outputs[0])},
+    "relu": lambda f: {"self": (f.arg("self") > 0).to(f.outputs[0].dtype)},
+}
 
 
 @PROPAGATE.register_predicate(_pointwise)
 def pointwise_rule(f: Flow) -> Any:
-    """sum_i |df/dx_i|**p E_i, the derivatives by forward-mode AD along ones (exact: J_i is diagonal)."""
+    """sum_i |df/dx_i|**p E_i, the derivatives from ``DERIVATIVES``, else by forward-mode AD along ones (exact:
+    J_i is diagonal), computed once for both powers (``Flow.derivatives``)."""
     total: list = [None] * len(f.outputs)
+    known = DERIVATIVES.get(f.plan.base) if len(f.outputs) == 1 else None
     for where, v, e in _tensor_inputs(f):
         if e is None or not _floating(v):
             continue
-        d = _derivative(f, where, v, torch.ones(v.shape, dtype=v.dtype, device=v.device))
+        key = (where[0].index, where[1])
+        d = f.derivatives.get(key)
+        if d is None:
+            d = f.derivatives[key] = [known(f).get(where[0].name, 0.0)] if known is not None else \
+                _derivative(f, where, v, torch.ones(v.shape, dtype=v.dtype, device=v.device))
         for k, dk in enumerate(d):
             if dk is None or not _floating(f.outputs[k]):
                 continue

@@ -122,6 +122,7 @@ class ShadowMode:
         self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
         self._adopting: dict = {}  # compiled modules whose outputs are adopted -> their hook
         self._graphs = hooks.Graphs(self.report.meta)  # the compiled graphs seen, by their compiled code
+        self._watch = hooks.Watch(_ShadowDispatch)  # what the block does so that compiled graphs reach the mode
         self._engine = Engine(self.options, self.report, self._attr)
         self._engine.trajectory = Trajectory(self._engine, self._attr.parameter_names)
         self.report.trajectory = self._engine.trajectory.steps
@@ -134,8 +135,7 @@ class ShadowMode:
         (the module runs eagerly and its figures are the eager kernels'), or runs compiled code whose fused
         kernels shadow never sees (its outputs are adopted from the device after it returns). Counted; warned
         once per run."""
-        if self._show():
-            hooks.recompile(mod)
+        if self._watch.compiled_module(mod):
             return
         eager = _compat.compile_skips_dispatch_modes()
         if not eager and mod not in self._adopting:
@@ -176,8 +176,7 @@ class ShadowMode:
             self.report.meta.update(rank=dist.get_rank(), world_size=dist.get_world_size())
         self._attr.__enter__()
         self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._engine.trajectory.stepped(opt))
-        self._watch = hooks.watching(_ShadowDispatch)
-        self._show = self._watch.__enter__()
+        self._watch.start()
         self._mode = _ShadowDispatch(self._engine, self._graphs)
         self._mode.__enter__()
         self._active = 1
@@ -193,7 +192,8 @@ class ShadowMode:
             self._mode.__exit__(*exc)
         finally:
             self._stepped.remove()
-            self._watch.__exit__(None, None, None)
+            self._watch.stop()
+            self._graphs.release()
             self._engine.scratch.clear()  # working memory of op calls: none runs outside the block
             self._engine.copies.clear()  # device values read over: writes outside the block go unseen
             self._attr.__exit__(*exc)
