@@ -203,3 +203,40 @@ def test_graph_names_are_the_order_graphs_are_first_seen():
         assert [r.op for r in _graph_records(sm)] == ["compiled.graph0", "compiled.graph1"]
         assert set(sm.report.meta[GRAPHS_KEY]) == {"compiled.graph0", "compiled.graph1"}
         assert math.isfinite(sm.report.records[0].local.rel_norm)
+
+
+# --- shadow compare: an eager run against a compiled run of the same program ------------------------------------
+def test_compare_matches_an_eager_run_with_a_compiled_one():
+    """The compiled run's graph calls are matched with the eager run's calls of the compiled module in the same
+    phase (forward, backward, each step); the calls around them (the loss, the optimizer) one by one. Both runs
+    are correct float32: nothing is worse."""
+    runs = []
+    for habit in ("train", "compile_inductor"):
+        sm = ShadowMode()
+        _run(build("block", habit=habit), sm)
+        runs.append(sm.report)
+    cmp = shadow.compare.compare(*runs)
+    assert [(g.module, g.phase, g.graph) for g in cmp.graphs] == \
+        [("Block", "forward", "compiled.graph0"), ("Block", "backward", "compiled.graph1")] * 2
+    assert all(g.calls_a > 10 and 0 < g.own_b < 1 for g in cmp.graphs)
+    assert cmp.match > 0.9 and cmp.matched > 50  # the optimizer's and the loss's calls
+    assert not any(op.startswith("aten.native_layer_norm") for op in cmp.ops_only_a)  # stood for by the graphs
+    assert not cmp.worse("op") and "compiled.graph1" in cmp.text and "B is worse" not in cmp.verdict
+
+
+def test_compare_names_a_graph_less_accurate_than_the_eager_calls():
+    """The function of the bfloat16-truncating lowering, eager against compiled: its graph is named, over budget."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(16, 16, generator=g)
+
+    def scores(x, w):
+        return torch.exp(x @ w / 4) + 1
+
+    with ShadowMode() as eager:
+        scores(x, w)
+    with _exp_of_bfloat16(), ShadowMode() as compiled:
+        torch.compile(scores)(x, w)
+    cmp = shadow.compare.compare(eager.report, compiled.report)
+    (change,) = cmp.graphs
+    assert change.graph == "compiled.graph0" and change.calls_a == 4 and change.own_b > 100 > change.own_a
+    assert cmp.verdict.startswith("verdict: B is worse: 1 compiled graph call over budget")
