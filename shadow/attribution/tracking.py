@@ -117,7 +117,7 @@ class _Tracker(ModuleTracker):
         self._fired.clear()
 
     def _fw_pre_hook(self, mod, input) -> None:
-        if _compiling():  # a compiled module's modules run while torch.compile traces them: not the program's calls
+        if compiling():  # a compiled module's modules run while torch.compile traces them: not the program's calls
             return
         if self._fired:
             self._remove_fired()
@@ -130,7 +130,7 @@ class _Tracker(ModuleTracker):
         self._calls.setdefault(mod, []).append((exit_hook, {_edge(a) for a in inputs}))
 
     def _fw_post_hook(self, mod, input, output) -> None:
-        if _compiling():
+        if compiling():
             return
         name = self._get_mod_name(mod)
         self._get_pop_fn(name, False)()
@@ -160,7 +160,7 @@ class _Tracker(ModuleTracker):
         return key
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     """torch.compile is tracing: dynamo (which compiles the hooks into its graph: nothing of shadow's goes there),
     or AOTAutograd on torch 2.4 (which runs the modules of dynamo's graph on fake tensors, and their backward)."""
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None

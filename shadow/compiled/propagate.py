@@ -192,7 +192,7 @@ def bilinear_rule(f: Flow) -> Any:
 
 # --- pointwise ops: each output element a function of one element of each input ---
 def _pointwise(plan: OpPlan) -> bool:
-    return torch.Tag.pointwise in plan.tags
+    return torch.Tag.pointwise in plan.tags or plan.base in DERIVATIVES  # torch 2.4's prims.fma has no tags
 
 
 def _div(f: Flow) -> dict:
