@@ -139,6 +139,31 @@ def test_blocks_between_compiled_calls_each_see_the_graphs():
     _assert_judged(_graph_records(sm), ["forward", "backward"] * 2)
 
 
+def test_inputs_a_graph_writes_keep_their_shadows():
+    """BatchNorm in training, compiled: the forward graph writes the running statistics in place (declared writes:
+    AOTAutograd moves their version counters), two steps bit for bit the compiled ones, no write unseen, and the
+    statistics' shadows those of the float64 model run eagerly."""
+    def model(dtype):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)).to(dtype)
+
+    def steps(m, sm=None):
+        fn = torch.compile(m) if sm is not None or m[0].weight.dtype == torch.float32 else m
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1)).to(m[0].weight.dtype)
+        with sm if sm is not None else contextlib.nullcontext():
+            for _ in range(2):
+                fn(x).square().sum().backward()
+        return [m[1].running_mean, m[1].running_var, m[0].weight.grad]
+
+    plain, sm = steps(model(torch.float32)), ShadowMode()
+    shadowed = steps(model(torch.float32), sm)
+    assert all(torch.equal(a, b) for a, b in zip(plain, shadowed))
+    assert sm.report.coverage.unobserved_writes == 0 and sm.report.coverage.internal_errors == 0
+    _assert_judged(_graph_records(sm), ["forward", "backward"] * 2)
+    for got, want in zip(shadowed, steps(model(torch.float64))):
+        assert _rel(sm.shadow_of(got), want) < 1e-12
+
+
 def test_random_draws_the_graph_keeps_are_unsupported():
     """Dropout under no_grad, compiled: its mask is drawn inside the kernel and not returned (no backward saves it),
     so the graph's call is recorded unsupported with the reason, its output adopted; the device computes what it

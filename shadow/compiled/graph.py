@@ -110,7 +110,8 @@ def _graph_plan(graph: Graph, gm: torch.fx.GraphModule, name: str) -> OpPlan:
                   params=tuple(Param(n.name, False, False, None) for n in placeholders), tensor_args=specs,
                   remap_args=(), returns=tuple(returns), tags=frozenset(), writes=writes,
                   write_args=frozenset(s.index for s in writes), out_args=frozenset(),
-                  declared_writes=frozenset(), is_view=False,
+                  # AOTAutograd moves the version counter of each input the graph mutates, once per call
+                  declared_writes=frozenset(s.index for s in writes), is_view=False,
                   fresh_returns=any(not (r.aliases_read or r.aliases_write) for r in returns))
 
 
