@@ -28,7 +28,7 @@ from ..budgets import Budget, budget_for
 from .trace import Node, Traced, Values, remap
 from .propagate import Flow, propagate, within
 
-_EXACT = frozenset({"movement", "empty"})  # budget families of ops that move values without rounding them
+_MOVES = frozenset({"movement", "empty"})  # budget families of ops that move values, rounding only in a cast
 
 
 class GraphBudget:
@@ -90,17 +90,18 @@ def compose(traced: Traced, values: Values, references: list) -> tuple[list, flo
 
 def _own(item: Node, args: Any, kwargs: Any, outs: list) -> tuple[list, list]:
     """The node's own error: its budget's bound per output, and the mean square scale of one rounding of each
-    result (with its sum's accumulation where its rule counts one); none for views and exact data movement."""
+    result (with its sum's accumulation where its rule counts one); none for views and for data movement within
+    one dtype (exact: its budget's ulp is for a cast)."""
     floating = [o if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()) else None
                 for o in outs]
     dtype = next((d for d, o in zip(item.dtypes, floating) if o is not None and d is not None), None)
     if item.plan.is_view or dtype is None:
         return [None] * len(outs), [None] * len(outs)
     budget = budget_for(item.plan.func, args, kwargs, outs, dtype)
-    if budget.family in _EXACT:
+    if budget.family in _MOVES and not item.casts:
         return [None] * len(outs), [None] * len(outs)
     bounds = list(budget.bound) + [None] * (len(outs) - len(budget.bound))
-    scale, acc = budget.scales()
+    acc = budget.scales()[1]
     r_sq = sum(float(o.abs().square().sum()) for o in floating if o is not None)
     share = 1.0 + acc / r_sq if r_sq > 0 and math.isfinite(acc) else 1.0
     squares = [o.abs().square() * share if o is not None else None for o in floating]

@@ -117,11 +117,12 @@ def propagate(f: Flow) -> list:
 
 
 # --- data movement: each result element is one input element (or a fill value) ---
+_MOVEMENT = DATA_MOVEMENT | VIEW_COPIES | {"convert_element_type"}  # prims' cast, as Inductor's graphs have it
+
+
 def _movement(plan: OpPlan) -> bool:
     return plan.is_view or torch.Tag.inplace_view in plan.tags or torch.Tag.view_copy in plan.tags \
-        or plan.base in DATA_MOVEMENT | VIEW_COPIES | {"convert_element_type", "split", "split_with_sizes",
-                                                        "unbind", "chunk", "reshape", "expand", "squeeze",
-                                                        "unsqueeze", "permute", "view", "slice", "select"}
+        or plan.base in _MOVEMENT
 
 
 @PROPAGATE.register_predicate(_movement)
@@ -230,15 +231,19 @@ def pointwise_rule(f: Flow) -> Any:
     """sum_i |df/dx_i|**p E_i, the derivatives from ``DERIVATIVES``, else by forward-mode AD along ones (exact:
     J_i is diagonal), computed once for both powers (``Flow.derivatives``)."""
     total: list = [None] * len(f.outputs)
-    known = DERIVATIVES.get(f.plan.base) if len(f.outputs) == 1 else None
+    formula = DERIVATIVES.get(f.plan.base) if len(f.outputs) == 1 else None
     for where, v, e in _tensor_inputs(f):
         if e is None or not _floating(v):
             continue
         key = (where[0].index, where[1])
         d = f.derivatives.get(key)
         if d is None:
-            d = f.derivatives[key] = [known(f).get(where[0].name, 0.0)] if known is not None else \
-                _derivative(f, where, v, torch.ones(v.shape, dtype=v.dtype, device=v.device))
+            if formula is not None:
+                known = f.derivatives.setdefault("formula", formula(f))
+                d = [known.get(where[0].name, 0.0)]
+            else:
+                d = _derivative(f, where, v, torch.ones(v.shape, dtype=v.dtype, device=v.device))
+            f.derivatives[key] = d
         for k, dk in enumerate(d):
             if dk is None or not _floating(f.outputs[k]):
                 continue

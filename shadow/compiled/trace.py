@@ -24,6 +24,7 @@ from ..records import Kind
 from ..replay import REPLAY, Replay
 from ..replay.rules import random_rule
 from ..rules import run_chain
+from ..scratch import copy
 
 _RANDOM = object()  # a node's value that only the device's random draws decide, unknown to the replay
 
@@ -36,6 +37,7 @@ class Node:
     plan: OpPlan | None  # None: not an aten or prims op (getitem)
     chain: tuple
     dtypes: list  # the device dtype of each output (None where not a tensor)
+    casts: bool  # some floating input has another device dtype than the first floating output
 
 
 class Traced:
@@ -46,24 +48,28 @@ class Traced:
         self.gm = decomposed(source, inputs)
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        self.constants = {n: getattr(self.gm, n.target) for n in self.gm.graph.nodes if n.op == "get_attr"}
         self.nodes: list[Node] = []
         for n in self.gm.graph.nodes:
             if n.op != "call_function":
                 continue
             plan = plan_of(n.target) if isinstance(n.target, torch._ops.OpOverload) else None
-            vals = n.meta.get("val")
-            vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
-            self.nodes.append(Node(n, plan, REPLAY.chain(n.target) if plan is not None else (),
-                                   [v.dtype if isinstance(v, torch.Tensor) else None for v in vals]))
+            dtypes = _dtypes(n)
+            first = next((d for d in dtypes if d is not None and (d.is_floating_point or d.is_complex)), None)
+            inputs = [d for a in n.all_input_nodes for d in _dtypes(a)
+                      if d is not None and (d.is_floating_point or d.is_complex)]
+            self.nodes.append(Node(n, plan, REPLAY.chain(n.target) if plan is not None else (), dtypes,
+                                   any(d != first for d in inputs)))
 
     def run(self, inputs: list, device_out: Any) -> tuple[list, Values]:
         """The graph on float64 ``inputs`` (the shadows, or the device's inputs upcast): its outputs and the value
         of every node. ``device_out``: the compiled code's outputs, where random-only values come from."""
         outputs = list(self.output.args[0])
         returned = {id(n): i for i, n in enumerate(outputs) if isinstance(n, torch.fx.Node)}
-        env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
-        drawn: set[torch.fx.Node] = set()
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
+        env.update((n, _upcast(t, device)) for n, t in self.constants.items())
+        drawn: set[torch.fx.Node] = set()
         for item in self.nodes:
             n = item.node
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
@@ -102,6 +108,13 @@ class Values:
             return None
         v = self.env[n]
         return list(v) if isinstance(v, (tuple, list)) else [v]
+
+
+def _dtypes(n: torch.fx.Node) -> list:
+    """The device dtype of each of a traced node's outputs (None where not a tensor)."""
+    vals = n.meta.get("val")
+    vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    return [v.dtype if isinstance(v, torch.Tensor) else None for v in vals]
 
 
 def decomposed(gm: torch.fx.GraphModule, inputs: tuple) -> torch.fx.GraphModule:
@@ -158,8 +171,7 @@ def remap(args: Any, kwargs: Any, device: torch.device) -> tuple:
 
 
 def _upcast(t: Any, device: torch.device) -> Any:
-    if isinstance(t, torch.Tensor):
-        return t.detach().to(device=device, dtype=SHADOW_DTYPES.get(t.dtype) or t.dtype, copy=True)
-    return t
+    """A device value (a constant of the graph, an output it returns) for the replay: exactly, in float64."""
+    return copy(t, SHADOW_DTYPES.get(t.dtype) or t.dtype, device) if isinstance(t, torch.Tensor) else t
 
 
