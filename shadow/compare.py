@@ -285,7 +285,8 @@ def compare(a: Report, b: Report, *, factor: float = FACTOR, floor: float = FLOO
         pairs, only_a, only_b = [], Counter(), Counter()
     if match < min_match:
         raise CompareError(f"the reports are not of the same program: only {match:.0%} of their op calls match in "
-                           f"order ({len(a.records) or a.coverage.calls} calls against {len(b.records) or b.coverage.calls}); "
+                           f"order ({len(a.records) or a.coverage.calls} calls against "
+                           f"{len(b.records) or b.coverage.calls}); "
                            "compare two runs of the same script with the same steps")
 
     calls = []

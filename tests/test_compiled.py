@@ -104,10 +104,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def test_compiled_evaluation_is_untouched_and_judged():
+@pytest.mark.parametrize("name", ["block", pytest.param("gpt_masked_fill", marks=pytest.mark.slow)])
+def test_compiled_evaluation_is_untouched_and_judged(name):
     """Evaluation under no_grad: one inference graph per call, judged; outputs bit for bit the compiled ones."""
     def program():
-        p = build("block", habit="eval")
+        p = build(name, habit="eval")
         p.module = torch.compile(p.model)
         return p
 
@@ -249,8 +250,8 @@ def _exp_of_bfloat16():
 
 def test_graph_rounding_to_bfloat16_is_over_budget():
     """exp(x @ w / 4) + 1 compiled with exp's argument truncated to bfloat16: relative error up to |x| 2**-7 on exp,
-    far over the float32 budget (measured: used 2.2e3, 8.7 bits), reading about bfloat16's bits rather than float32's 23; the
-    same function compiled as Inductor lowers it stays within budget."""
+    far over the float32 budget (measured: used 2.2e3, 8.7 bits), reading about bfloat16's bits rather than
+    float32's 23; the same function compiled as Inductor lowers it stays within budget."""
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(8, 16, generator=g), torch.randn(16, 16, generator=g)
 

@@ -176,8 +176,8 @@ def _edge(t: torch.Tensor) -> tuple:
 
 
 def _compiled(mod: torch.nn.Module) -> bool:
-    """``torch.compile(model)`` (an OptimizedModule) or ``model.compile()``: dynamo skips frames while a dispatch
-    mode is active, so under shadow the module runs eagerly."""
+    """``torch.compile(model)`` (an OptimizedModule) or ``model.compile()``: ShadowMode is told before its call
+    (``on_compiled``), to show it its graphs or, where this torch cannot, to say how it ran."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return (optimized is not None and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None) is not None

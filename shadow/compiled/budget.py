@@ -81,7 +81,8 @@ def compose(traced: Traced, values: Values, references: list) -> tuple[list, flo
             bounds.append(None)
             continue
         b, q = (_at(worst, v, 0), _at(square, v, 0)) if isinstance(v, torch.fx.Node) else (None, None)
-        bounds.append(within(torch.broadcast_to(b, r.shape)) if b is not None else torch.zeros_like(r, dtype=torch.float64))
+        bounds.append(within(torch.broadcast_to(b, r.shape)) if b is not None
+                      else torch.zeros_like(r, dtype=torch.float64))
         if q is not None:
             q = torch.broadcast_to(q, r.shape)
             total += float(q[torch.isfinite(q)].sum())

@@ -6,13 +6,15 @@ was compiled (the operator carries the aten graph Inductor lowered). ShadowMode 
 handles the operator (``install``): the mode is off while dynamo and Inductor compile (``ignore_compile_internals``)
 and on while the compiled code runs. torch 2.4: no such operator; Inductor's ``compile_fx`` is wrapped while the
 mode is active, so that each graph it compiles comes back as a ``Compiled`` callable holding its aten graph
-(``shadow._compat.wrap_inductor_graphs``).
+(``shadow._compat.show_compiled_graphs``).
 
 Either way only graphs compiled while a ShadowMode is active are seen: a ``torch.compile(model)`` module first
 called in a ShadowMode block has the code dynamo compiled for it before dropped (``Watch.compiled_module``), so
-that the call compiles it again. A compiled plain function, a module compiled with ``model.compile()`` (whose module hooks
-dynamo compiles too) and the functions a compiled module calls across a graph break keep code compiled before
-the block: it runs unseen (compile them inside the block, or call ``torch._dynamo.reset()`` before it).
+that the call compiles it again. A compiled plain function, a module compiled with ``model.compile()`` (whose
+module hooks dynamo compiles too) and the functions a compiled module calls across a graph break keep code
+compiled before the block: it runs unseen (compile them inside the block, or call ``torch._dynamo.reset()``
+before it). So does code Inductor compiles in a block it was first loaded in after the block began, but for a
+compiled module's (Inductor is loaded before its call).
 """
 
 from __future__ import annotations

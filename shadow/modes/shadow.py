@@ -71,7 +71,7 @@ class _ShadowDispatch(TorchDispatchMode):
 
 
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
-_GRAPHS_SHOWN = hooks.install(_ShadowDispatch)  # whether this torch shows each compiled graph's call to the mode
+_GRAPHS_SHOWN = hooks.install(_ShadowDispatch)  # this torch runs compiled graphs through Inductor's operator
 
 
 _PLAIN = torch.Tensor.__torch_dispatch__
