@@ -13,8 +13,8 @@ called in a ShadowMode block has the code dynamo compiled for it before dropped 
 that the call compiles it again. A compiled plain function, a module compiled with ``model.compile()`` (whose
 module hooks dynamo compiles too) and the functions a compiled module calls across a graph break keep code
 compiled before the block: it runs unseen (compile them inside the block, or call ``torch._dynamo.reset()``
-before it). So does code Inductor compiles in a block it was first loaded in after the block began, but for a
-compiled module's (Inductor is loaded before its call).
+before it). So does a plain function compiled with Inductor in a block that began before Inductor was first
+loaded in the process (a compiled module loads it before its call).
 """
 
 from __future__ import annotations

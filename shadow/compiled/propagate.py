@@ -57,8 +57,10 @@ class Flow:
         return self.plan.arg(self.errors, self.error_kwargs, name)
 
     def magnitude(self, v: Any) -> Any:
-        """|v|**p: a factor's weight in the sum."""
+        """|v|**p: a factor's weight in the sum (a mask's as 0 or 1)."""
         if isinstance(v, torch.Tensor):
+            if not (v.is_floating_point() or v.is_complex()):
+                v = v.to(torch.float64)
             return v.abs() if self.power == 1 else v * v
         return abs(v) ** self.power if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
