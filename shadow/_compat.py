@@ -10,7 +10,10 @@ a reason computed from what is missing (``hasattr(aten, "_safe_softmax")``), not
 
 from __future__ import annotations
 
+import copy
 import functools
+import sys
+from typing import Any, Callable
 
 import torch
 
@@ -68,3 +71,70 @@ def compile_skips_dispatch_modes() -> bool:
     return any(hasattr(convert_frame, name) for name in (
         "any_torch_dispatch_mode_on_stack", "is_in_any_mode_without_ignore_compile_internals",
         "is_in_torch_dispatch_mode"))
+
+
+# --- torch.compile: each compiled graph's call shown to ShadowMode, with its aten graph (shadow.compiled.hooks) ---
+def compiled_graph_operator():
+    """The higher-order operator Inductor runs a compiled graph through under a dispatch mode, when
+    ``torch._inductor.config.wrap_inductor_compiled_regions`` was set at its compile (torch 2.13; it carries the
+    aten graph Inductor lowered); None where this torch has none (2.4)."""
+    try:
+        from torch._higher_order_ops.wrap import inductor_compiled_code
+    except ImportError:
+        return None
+    return inductor_compiled_code
+
+
+def show_compiled_graphs(wrap: Callable[[Any, Any], Any], load: bool) -> Callable[[], None] | None:
+    """Make the graphs Inductor compiles from now on visible to ShadowMode: torch 2.13 sets Inductor's
+    ``wrap_inductor_compiled_regions``; torch 2.4 wraps ``compile_fx`` so that each graph ``compile_fx_inner``
+    compiles comes back as ``wrap(compiled, aten graph)`` (the graph copied before Inductor's passes rewrite it).
+    Returns the undo, or None where Inductor's config is not loaded and ``load`` is False (``torch.compile`` with
+    Inductor loads it: nothing compiles with Inductor yet)."""
+    if not load and "torch._inductor.config" not in sys.modules:
+        return None
+    if compiled_graph_operator() is not None:
+        import torch._inductor.config as config
+
+        saved = config.wrap_inductor_compiled_regions
+        config.wrap_inductor_compiled_regions = True
+        return lambda: setattr(config, "wrap_inductor_compiled_regions", saved)
+    import torch._inductor.compile_fx as compile_fx
+
+    original = compile_fx.compile_fx
+    depth = [0]  # compile_fx calls itself (config patches, cpp wrapper): only the outermost call wraps
+
+    def inner(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
+        def compile_inner(gm: torch.fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            source = copy.deepcopy(gm)  # the post-grad passes rewrite gm in place
+            return wrap(inner_compile(gm, example_inputs, *args, **kwargs), source)
+        return compile_inner
+
+    @functools.wraps(original)
+    def compile_fx_shown(model_: Any, example_inputs_: Any, inner_compile: Any = None, **kwargs: Any) -> Any:
+        depth[0] += 1
+        try:
+            if inner_compile is None:
+                inner_compile = compile_fx.compile_fx_inner
+            if depth[0] == 1:
+                inner_compile = inner(inner_compile)
+            return original(model_, example_inputs_, inner_compile=inner_compile, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    compile_fx.compile_fx = compile_fx_shown
+    return lambda: setattr(compile_fx, "compile_fx", original)
+
+
+def drop_compiled_code(module: torch.nn.Module) -> None:
+    """Drop the code dynamo compiled for a ``torch.compile(model)`` module, so that its next call compiles again:
+    the entries of the model's ``forward`` (the frame dynamo compiles, torch 2.4 to 2.13) and of the function the
+    module's ``forward`` wraps (``wrap_inline``'s, or the model's ``__call__``). Both torch versions keep the
+    cache per code object (``reset_code``) and the wrapped function as ``innermost_fn``."""
+    from torch._dynamo.eval_frame import innermost_fn
+
+    for fn in (innermost_fn(module.forward), getattr(module, "_orig_mod", module).forward):
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            torch._C._dynamo.eval_frame.reset_code(code)

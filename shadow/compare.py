@@ -25,6 +25,7 @@ import difflib
 import math
 from collections import Counter
 
+from .compiled.compare import GraphChange, match_calls
 from .report import Aggregate, Report
 from .verdict import op_class, times
 
@@ -165,6 +166,7 @@ class Comparison:
     ops_only_a: tuple[str, ...]  # ops one report has and the other not at all
     ops_only_b: tuple[str, ...]
     calls: tuple[CallChange, ...]  # matched calls whose own error got worse, worst first
+    graphs: tuple[GraphChange, ...] = ()  # compiled graphs' calls matched with the calls they stand for
     factor: float = FACTOR
     floor: float = FLOOR
 
@@ -229,12 +231,19 @@ class Comparison:
         if self.calls:
             out.append("calls worse in B (matched calls, A's index / B's):")
             out += [f"  {c}" for c in self.calls[:_SHOWN]]
+        if self.graphs:
+            out.append("compiled graphs, against the calls they stand for (A -> B):")
+            out += [f"  {g}" for g in self.graphs[:_SHOWN]] + (["  ..."] if len(self.graphs) > _SHOWN else [])
         out.append(self.verdict)
         return out
 
     @property
     def verdict(self) -> str:
         worse = self.worse("op")
+        graphs = [g for g in self.graphs if g.worse(self.factor)]
+        if graphs:
+            return (f"verdict: B is worse: {len(graphs)} compiled graph call{'s' if len(graphs) > 1 else ''} over "
+                    f"budget, the most: {max(graphs, key=lambda g: g.own_b)}")
         if worse:
             classes: dict[str, Change] = {}
             for c in worse:
@@ -263,22 +272,21 @@ def compare(a: Report, b: Report, *, factor: float = FACTOR, floor: float = FLOO
     match in order, else ``CompareError``."""
     if not factor > 1:
         raise ValueError(f"factor={factor!r}: expected a number > 1")
-    seq_a, seq_b = [_token(r) for r in a.records], [_token(r) for r in b.records]
-    pairs: list[tuple[int, int]] = []
-    if seq_a and seq_b:
-        pairs = [(i, i) for i in range(len(seq_a))] if seq_a == seq_b else align(seq_a, seq_b)
-        match = 2 * len(pairs) / (len(seq_a) + len(seq_b))
-        ia, ib = {i for i, _ in pairs}, {j for _, j in pairs}
-        only_a = Counter(a.records[i].op for i in range(len(seq_a)) if i not in ia)
-        only_b = Counter(b.records[j].op for j in range(len(seq_b)) if j not in ib)
+    # a compiled graph's call and the calls of the other run it stands for are matched as one (shadow.compiled.compare)
+    matched = match_calls(a.records, b.records, _token, align)
+    graphs: tuple[GraphChange, ...] = ()
+    covered: frozenset[str] = frozenset()  # ops whose every call a matched graph's call is or stands for
+    if matched is not None:
+        pairs, match, only_a, only_b, graphs, covered = matched
     else:  # records off (max_records=0): how alike the op counts are
         ca, cb = Counter({k: v.calls for k, v in a.by_op.items()}), Counter({k: v.calls for k, v in b.by_op.items()})
         total = sum(ca.values()) + sum(cb.values())
         match = 2 * sum((ca & cb).values()) / total if total else 1.0
-        only_a, only_b = Counter(), Counter()
+        pairs, only_a, only_b = [], Counter(), Counter()
     if match < min_match:
         raise CompareError(f"the reports are not of the same program: only {match:.0%} of their op calls match in "
-                           f"order ({len(seq_a) or a.coverage.calls} calls against {len(seq_b) or b.coverage.calls}); "
+                           f"order ({len(a.records) or a.coverage.calls} calls against "
+                           f"{len(b.records) or b.coverage.calls}); "
                            "compare two runs of the same script with the same steps")
 
     calls = []
@@ -296,12 +304,12 @@ def compare(a: Report, b: Report, *, factor: float = FACTOR, floor: float = FLOO
         return tuple(Change(k, Figures.of(view_a[k]), Figures.of(view_b[k])) for k in sorted(view_a.keys() & view_b))
 
     return Comparison(
-        calls_a=a.coverage.calls, calls_b=b.coverage.calls, records_a=len(seq_a), records_b=len(seq_b),
+        calls_a=a.coverage.calls, calls_b=b.coverage.calls, records_a=len(a.records), records_b=len(b.records),
         matched=len(pairs), match=match, only_a=tuple(only_a.most_common()), only_b=tuple(only_b.most_common()),
         by_op=changes(a.by_op, b.by_op), by_module=changes(a.by_module, b.by_module),
-        ops_only_a=tuple(sorted(a.by_op.keys() - b.by_op.keys())),
-        ops_only_b=tuple(sorted(b.by_op.keys() - a.by_op.keys())),
-        calls=tuple(calls), factor=factor, floor=floor)
+        ops_only_a=tuple(sorted(a.by_op.keys() - b.by_op.keys() - covered)),
+        ops_only_b=tuple(sorted(b.by_op.keys() - a.by_op.keys() - covered)),
+        calls=tuple(calls), graphs=graphs, factor=factor, floor=floor)
 
 
 def align(seq_a: list, seq_b: list) -> list[tuple[int, int]]:

@@ -19,6 +19,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .tracking import compiling
+
 _no_dispatch = torch._C._DisableTorchDispatch  # saving and restoring are shadow's own work: no mode sees them
 
 
@@ -58,7 +60,7 @@ class StepState:
         seen: set[int] = set()
 
         def module_pre(mod: torch.nn.Module, args) -> None:
-            if id(mod) in seen:
+            if id(mod) in seen or compiling():  # torch.compile tracing the modules (fake tensors): not the step's
                 return
             seen.update(id(m) for m in mod.modules())
             self.modules.append(mod)

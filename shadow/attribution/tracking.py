@@ -86,6 +86,18 @@ class _Tracker(ModuleTracker):
             self._innermost = _innermost(self._parents)
         return self._innermost
 
+    def _get_mod_name(self, mod: torch.nn.Module) -> str:
+        # torch.compile(model): the OptimizedModule is named as the model it compiles, and the model's modules
+        # and parameters as in an eager run ("Block.up.weight", not "OptimizedModule._orig_mod.up.weight")
+        orig = getattr(mod, "_orig_mod", None)
+        if not isinstance(orig, torch.nn.Module):
+            return super()._get_mod_name(mod)
+        if mod not in self._seen_modules:
+            name = self._known_modules.get(mod) or self._known_modules.get(orig) or type(orig).__name__
+            self._known_modules[mod] = self._known_modules[orig] = name
+            self._seen_modules.add(mod)
+        return super()._get_mod_name(orig)
+
     def _get_append_fn(self, name: str, is_bw: bool) -> Callable:
         return self._forgetting(super()._get_append_fn(name, is_bw))
 
@@ -105,6 +117,8 @@ class _Tracker(ModuleTracker):
         self._fired.clear()
 
     def _fw_pre_hook(self, mod, input) -> None:
+        if compiling():  # a compiled module's modules run while torch.compile traces them: not the program's calls
+            return
         if self._fired:
             self._remove_fired()
         name = self._get_mod_name(mod)
@@ -116,6 +130,8 @@ class _Tracker(ModuleTracker):
         self._calls.setdefault(mod, []).append((exit_hook, {_edge(a) for a in inputs}))
 
     def _fw_post_hook(self, mod, input, output) -> None:
+        if compiling():
+            return
         name = self._get_mod_name(mod)
         self._get_pop_fn(name, False)()
         calls = self._calls.get(mod)  # none: the tracker was entered during this module's forward
@@ -144,6 +160,12 @@ class _Tracker(ModuleTracker):
         return key
 
 
+def compiling() -> bool:
+    """torch.compile is tracing: dynamo (which compiles the hooks into its graph: nothing of shadow's goes there),
+    or AOTAutograd on torch 2.4 (which runs the modules of dynamo's graph on fake tensors, and their backward)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
 def _needing_grad(value: Any) -> list[torch.Tensor]:
     return [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
 
@@ -154,8 +176,8 @@ def _edge(t: torch.Tensor) -> tuple:
 
 
 def _compiled(mod: torch.nn.Module) -> bool:
-    """``torch.compile(model)`` (an OptimizedModule) or ``model.compile()``: dynamo skips frames while a dispatch
-    mode is active, so under shadow the module runs eagerly."""
+    """``torch.compile(model)`` (an OptimizedModule) or ``model.compile()``: ShadowMode is told before its call
+    (``on_compiled``), to show it its graphs or, where this torch cannot, to say how it ran."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return (optimized is not None and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None) is not None

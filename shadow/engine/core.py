@@ -102,6 +102,15 @@ class Engine:
             self._after(before, route.plan, args, kwargs, out)
         return out
 
+    def graph_call(self, graph: Any, args: tuple) -> Any:
+        """A compiled graph's call (``shadow.compiled.Graph``), dispatched as one op whose plan, replay chain and
+        budget rule the graph gives (``graph.plan``, ``graph.chain``, ``graph.budget``): the record's op is the
+        graph's name, its figures the compiled code's outputs against the float64 replay of its aten graph."""
+        if id(graph) not in self._routes:
+            self._routes[id(graph)] = Route(graph.plan, graph.chain, view=False, direct=False, fixed=graph.budget)
+            self._ops.append(graph)
+        return self.dispatch(graph, args, {})
+
     def _route(self, func) -> Route | None:
         try:
             plan = plan_of(func)

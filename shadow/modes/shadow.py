@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..attribution.tracking import Attribution
 from .. import _compat
+from ..compiled import hooks
 from ..engine import Engine, EngineHooks
 from ..errors import ShadowWarning
 from ..options import Options
@@ -25,9 +26,27 @@ _GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global 
 
 
 class _ShadowDispatch(TorchDispatchMode):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, graphs: hooks.Graphs):
         super().__init__()
         self._engine = engine
+        self._graphs = graphs
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch 2.13: dynamo compiles through the mode (off while it compiles, on while the compiled code runs),
+        # and each compiled graph's call comes to graph_call; without that path, dynamo skips compiled frames
+        # under the mode and the code runs eagerly
+        return _GRAPHS_SHOWN
+
+    def graph_call(self, compiled: Any, source: torch.fx.GraphModule, inputs: list) -> Any:
+        """A compiled graph's call (shadow.compiled.hooks), with this mode off: judged as one op."""
+        prior = _set_eval_frame(None)  # as in __torch_dispatch__: no frame of shadow's is traced by dynamo
+        try:
+            graph = self._graphs.get(compiled, source)
+            return graph.boxed(self._engine.graph_call(graph, tuple(inputs)))
+        finally:
+            if prior is not None:
+                _set_eval_frame(prior)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -53,6 +72,7 @@ class _ShadowDispatch(TorchDispatchMode):
 
 
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+_GRAPHS_SHOWN = hooks.install(_ShadowDispatch)  # this torch runs compiled graphs through Inductor's operator
 
 
 class _Scope:
@@ -127,7 +147,9 @@ class ShadowMode:
             raise RuntimeError("ShadowMode.reset() inside its `with` block: call it after the block exits")
         self.report = Report(max_records=self.options.max_records, meta=self._meta())
         self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
-        self._adopting: dict = {}  # compiled modules whose outputs are adopted (torch 2.4) -> their hook
+        self._adopting: dict = {}  # compiled modules whose outputs are adopted -> their hook
+        self._graphs = hooks.Graphs(self.report.meta)  # the compiled graphs seen, by their compiled code
+        self._watch = hooks.Watch(_ShadowDispatch)  # what the block does so that compiled graphs reach the mode
         self._trajectory = Trajectory(self._attr.parameter_names)
         self.report.trajectory = self._trajectory.steps
         own = EngineHooks(recorded=self._trajectory.seen,
@@ -136,10 +158,14 @@ class ShadowMode:
         self._mode = None
 
     def _compiled_module(self, module: str, mod: torch.nn.Module) -> None:
-        """A torch.compile'd module is about to run inside the mode. Recent torch skips compiled frames while a
-        dispatch mode is active: it runs eagerly and its figures are the eager kernels'. torch 2.4 runs the
-        compiled code, whose fused kernels shadow never sees: its outputs are adopted from the device after
-        it returns. Counted; warned once per run."""
+        """A torch.compile'd module is about to run inside the mode. Where this torch shows each compiled graph's
+        call to the mode (``shadow.compiled.hooks``; Inductor is loaded now if it was not: the call compiles),
+        every graph is judged as one op. Elsewhere torch skips compiled frames while a dispatch mode is active
+        (the module runs eagerly and its figures are the eager kernels'), or runs compiled code whose fused
+        kernels shadow never sees (its outputs are adopted from the device after it returns). Counted; warned
+        once per run."""
+        if self._watch.compiled_module(mod):
+            return
         eager = _compat.compile_skips_dispatch_modes()
         if not eager and mod not in self._adopting:
             self._adopting[mod] = mod.register_forward_hook(self._adopt_outputs)
@@ -180,7 +206,8 @@ class ShadowMode:
         self._attr.__enter__()
         self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._trajectory.stepped(opt,
                                                                                                       self._engine))
-        self._mode = _ShadowDispatch(self._engine)
+        self._watch.start()
+        self._mode = _ShadowDispatch(self._engine, self._graphs)
         self._mode.__enter__()
         self._active = 1
         return self
@@ -195,6 +222,8 @@ class ShadowMode:
             self._mode.__exit__(*exc)
         finally:
             self._stepped.remove()
+            self._watch.stop()
+            self._graphs.release()
             self._engine.scratch.clear()  # working memory of op calls: none runs outside the block
             self._engine.copies.clear()  # device values read over: writes outside the block go unseen
             self._attr.__exit__(*exc)
