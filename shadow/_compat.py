@@ -68,3 +68,15 @@ def compile_skips_dispatch_modes() -> bool:
     return any(hasattr(convert_frame, name) for name in (
         "any_torch_dispatch_mode_on_stack", "is_in_any_mode_without_ignore_compile_internals",
         "is_in_torch_dispatch_mode"))
+
+
+# --- nested tensors ---
+@functools.cache
+def nested_views_of_larger_buffers() -> bool:
+    """Whether ``torch._nested_view_from_buffer`` views a buffer whose storage holds more than the components
+    (2.13 does; 2.4.1 asserts that the two sizes are equal)."""
+    try:
+        torch._nested_view_from_buffer(torch.zeros(2), torch.tensor([[1]]), torch.tensor([[1]]), torch.tensor([0]))
+    except RuntimeError:
+        return False
+    return True

@@ -18,12 +18,6 @@ from .values import Args, Prepared
 if TYPE_CHECKING:
     from .core import Engine, Route
 
-# Nested tensors have a shape per component and no strides: the mirror cannot hold their shadows (test_nested.py)
-NESTED = ("nested tensor {}: shadow mirrors dense tensors only (nested tensors come from torch.nested, or from "
-          "nn.TransformerEncoder's fast path for padded batches in eval mode); build the encoder with "
-          "enable_nested_tensor=False, or run it in training mode or without src_key_padding_mask, to shadow it")
-
-
 class NoValues(Exception):
     """The call runs on meta tensors: shapes only, no values to shadow."""
 
@@ -101,8 +95,6 @@ class InputShadows:
             raise NoValues
         if t.layout != torch.strided:  # sparse (COO, CSR...) and mkldnn tensors have no strided storage to mirror
             raise Unsupported(self.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
-        if t.is_nested:
-            raise Unsupported(self.plan.name, NESTED.format("argument"))
         engine = self.engine
         mirror = engine.mirror
         shadow_dtype = mirror.shadow_dtype(t.dtype)
@@ -141,9 +133,12 @@ class Upcasts:
         if c is None:
             engine = self.engine
             mirror = engine.mirror
-            to = mirror.place(t.device)
-            values = t if to == t.device else engine.copies.read(t, self.batch)
-            c = self.seen[id(t)] = engine.scratch.copy(values, mirror.shadow_dtype(t.dtype) or t.dtype, to)
+            if t.is_nested:  # copied as it is (never read over in batches, nor into pooled memory)
+                c = self.seen[id(t)] = mirror.upcast(t)
+            else:
+                to = mirror.place(t.device)
+                values = t if to == t.device else engine.copies.read(t, self.batch)
+                c = self.seen[id(t)] = engine.scratch.copy(values, mirror.shadow_dtype(t.dtype) or t.dtype, to)
         return c
 
 
@@ -188,7 +183,7 @@ def see(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> None:
     mirror = engine.mirror
     for spec, t in plan.tensors(args, kwargs):
         if t.device.type != "meta" and mirror.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
-                and t.layout == torch.strided and not t.is_nested:
+                and t.layout == torch.strided:
             entry = entry_of(engine, plan, t)
             if spec.index in plan.declared_writes:
                 mirror.note_write(entry)

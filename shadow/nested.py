@@ -1,0 +1,66 @@
+"""Nested tensors (``torch.nested``, strided layout): components of shapes of their own in one buffer storage, each
+at its own offset with its own strides. nn.TransformerEncoder's fast path for padded batches in eval runs on them
+(``_nested_tensor_from_mask``, ``_transformer_encoder_layer_fwd``, ``to_padded_tensor``).
+
+The mirror holds a nested tensor's shadow as it holds a dense one's: the float64 shadow of its buffer storage, and
+the tensor's shadow is a float64 nested tensor over that shadow with the same nested sizes, strides and offsets
+(``view``), so the float64 CPU kernels of the nested ops replay it. A nested result is judged by its values
+(``values``): the elements of its components in order, what its padded form holds besides the padding.
+
+>>> buffer = torch.arange(6.0)
+>>> nt = torch.nested.nested_tensor([torch.zeros(2, 2), torch.zeros(1, 2)])
+>>> view(buffer, nt).to_padded_tensor(-1.0).tolist()
+[[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [-1.0, -1.0]]]
+>>> values(view(buffer, nt)).tolist()
+[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _compat
+from .errors import Unsupported
+
+
+def view(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A nested tensor over ``buffer`` (1-D: the shadow of t's storage) laid out as nested tensor ``t``."""
+    sizes = t._nested_tensor_size()
+    if buffer.numel() != int(sizes.prod(1).sum()) and not _compat.nested_views_of_larger_buffers():
+        raise Unsupported("nested tensor", "its storage holds more than its components, and this torch's "
+                                           "torch._nested_view_from_buffer views only a buffer of the components' "
+                                           "size: its shadow cannot be a view")
+    return torch._nested_view_from_buffer(buffer, sizes, t._nested_tensor_strides(),
+                                          t._nested_tensor_storage_offsets())
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """The elements of nested tensor t's components, in order, as one 1-D tensor: a view of its buffer where the
+    components lie one after the other, each contiguous, else a copy."""
+    t = t.detach()
+    if t.is_contiguous():
+        offsets = t._nested_tensor_storage_offsets()
+        start = int(offsets[0]) if offsets.numel() else 0
+        return t.values()[start:start + t.numel()]
+    return torch.cat([c.reshape(-1) for c in t.unbind()])
+
+
+def alike(a: object, b: object) -> bool:
+    """Whether ``a`` and ``b`` are nested tensors of the same components' shapes."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_nested and b.is_nested \
+        and torch.equal(a._nested_tensor_size(), b._nested_tensor_size())
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether nested tensors ``a`` and ``b`` lay out their components alike (sizes, strides, offsets)."""
+    return alike(a, b) and torch.equal(a._nested_tensor_strides(), b._nested_tensor_strides()) \
+        and torch.equal(a._nested_tensor_storage_offsets(), b._nested_tensor_storage_offsets())
+
+
+def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Write nested tensor ``value``'s components into those of nested tensor ``target`` (a view of a buffer)."""
+    if target.is_contiguous() and value.is_contiguous():
+        values(target).copy_(values(value))
+        return
+    for part, v in zip(target.unbind(), value.unbind()):  # torch's nested copy_ wants contiguous tensors
+        part.copy_(v)
