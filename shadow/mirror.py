@@ -297,8 +297,13 @@ class Mirror:
         return _region(e.base, t)
 
     def upcast(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of t in its shadow dtype on its shadow device: exact for every floating dtype."""
-        return copy(t, self.shadow_dtype(t.dtype) or t.dtype, self.place(t.device))
+        """A copy of t in its shadow dtype on its shadow device: exact for every floating dtype (a nested tensor:
+        its storage's, viewed as t: torch copies only contiguous nested tensors)."""
+        dtype, device = self.shadow_dtype(t.dtype) or t.dtype, self.place(t.device)
+        if t.is_nested:
+            storage = _storage_values(t, t.untyped_storage().nbytes() // t.element_size())
+            return nested.view(copy(storage, dtype, device), t)
+        return copy(t, dtype, device)
 
     def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()

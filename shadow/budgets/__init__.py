@@ -25,7 +25,8 @@ cost: docs/budgets.md.
 ('matmul', False)
 """
 
-from . import attention, elementwise, linalg, losses, normalization, optimizer, reductions  # noqa: F401 (register)
+from . import (attention, elementwise, linalg, losses, normalization, optimizer,  # noqa: F401 (register)
+               reductions, transformer)
 from .core import (BUDGETS, DEFAULT_ULPS, KAPPA, Budget, BudgetCall, InUlps, budget_for, effective_bits,
                    fixed_budget, gamma, reads_overwritten, register_budget, register_budget_predicate, unit_roundoff)
 

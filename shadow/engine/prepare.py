@@ -41,8 +41,10 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
     if plan.writes and engine.copies:  # the op writes these: copies read over before it are out of date
         engine.copies.drop(plan.tensors(args, kwargs, plan.writes))
     dtype = inputs.tensors[0].dtype if inputs.tensors else None
-    # float64 devices have no headroom over the float64 reference: nothing to validate
-    spot = engine.spotting and dtype is not None and dtype != torch.float64 and engine.spot.wants(plan.name)
+    # float64 devices have no headroom over the float64 reference: nothing to validate; the elements of nested
+    # inputs have no indices a reference could read
+    spot = engine.spotting and dtype is not None and dtype != torch.float64 and not inputs.nested \
+        and engine.spot.wants(plan.name)
     budget = options.budgets and options.local and dtype is not None
     fixed = route.fixed if budget else None
     pre = None
@@ -67,9 +69,9 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
 
 class InputShadows:
     """The shadows of one call's tensor arguments (``plan.map_tensors``' function), and what they say of the call:
-    whether every one is exact, holds a NaN or an infinity, the largest drift."""
+    whether every one is exact, holds a NaN or an infinity, the largest drift, whether one is nested."""
 
-    __slots__ = ("engine", "plan", "exact", "nonfinite", "drift", "tensors", "storages", "read")
+    __slots__ = ("engine", "plan", "exact", "nonfinite", "drift", "tensors", "storages", "read", "nested")
 
     def __init__(self, engine: Engine, plan: OpPlan):
         self.engine, self.plan = engine, plan
@@ -80,6 +82,7 @@ class InputShadows:
         self.storages: set[int] = set()  # their shadows' storages
         # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
         self.read: dict[int, torch.Tensor] = {}
+        self.nested = False
 
     def __call__(self, t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
         if spec.write:
@@ -106,6 +109,7 @@ class InputShadows:
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
             return torch.zeros(t.shape, dtype=shadow_dtype, device=mirror.place(t.device))
         entry = entry_of(engine, self.plan, t)
+        self.nested = self.nested or t.is_nested
         self.nonfinite = self.nonfinite or entry.nonfinite
         if entry.drift > self.drift:
             self.drift = entry.drift
