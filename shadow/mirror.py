@@ -249,7 +249,7 @@ def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> N
     """Write ``value`` into ``base`` where ``t`` lies in its storage; self-overlapping layouts (stride 0)
     cannot be ``copy_``-ed into, so they go through flat indices (duplicates hold equal values)."""
     if t.is_nested:
-        nested.copy_into(_region(base, t), value)
+        nested.write(base, t, value)
         return
     if torch._debug_has_internal_overlap(t) == 0:
         _region(base, t).copy_(value)

@@ -20,18 +20,35 @@ from __future__ import annotations
 import torch
 
 from . import _compat
-from .errors import Unsupported
 
 
 def view(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """A nested tensor over ``buffer`` (1-D: the shadow of t's storage) laid out as nested tensor ``t``."""
-    sizes = t._nested_tensor_size()
-    if buffer.numel() != int(sizes.prod(1).sum()) and not _compat.nested_views_of_larger_buffers():
-        raise Unsupported("nested tensor", "its storage holds more than its components, and this torch's "
-                                           "torch._nested_view_from_buffer views only a buffer of the components' "
-                                           "size: its shadow cannot be a view")
-    return torch._nested_view_from_buffer(buffer, sizes, t._nested_tensor_strides(),
-                                          t._nested_tensor_storage_offsets())
+    """A nested tensor over ``buffer`` (1-D: the shadow of t's storage) laid out as nested tensor ``t``; a nested copy
+    of those components where torch cannot view them (torch 2.4.1 views only a buffer of the components' size: a
+    shadow the replay writes is then written back by the mirror, which finds it elsewhere)."""
+    sizes, strides, offsets = t._nested_tensor_size(), t._nested_tensor_strides(), t._nested_tensor_storage_offsets()
+    if buffer.numel() == int(sizes.prod(1).sum()) or _compat.nested_views_of_larger_buffers():
+        return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
+    return torch.nested.as_nested_tensor(components(buffer, t))
+
+
+def components(buffer: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided views of ``buffer`` (1-D) that nested tensor t's components are of its storage."""
+    return [buffer.as_strided(size, stride, offset) for size, stride, offset in zip(
+        t._nested_tensor_size().tolist(), t._nested_tensor_strides().tolist(),
+        t._nested_tensor_storage_offsets().tolist())]
+
+
+def write(buffer: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> None:
+    """Write nested tensor ``value``'s components where those of nested tensor t lie in ``buffer`` (1-D: the shadow
+    of t's storage)."""
+    if t.is_contiguous() and value.is_contiguous():
+        offsets = t._nested_tensor_storage_offsets()
+        start = int(offsets[0]) if offsets.numel() else 0
+        buffer[start:start + t.numel()].copy_(values(value))
+        return
+    for part, v in zip(components(buffer, t), value.unbind()):
+        part.copy_(v)
 
 
 def values(t: torch.Tensor) -> torch.Tensor:
@@ -55,12 +72,3 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether nested tensors ``a`` and ``b`` lay out their components alike (sizes, strides, offsets)."""
     return alike(a, b) and torch.equal(a._nested_tensor_strides(), b._nested_tensor_strides()) \
         and torch.equal(a._nested_tensor_storage_offsets(), b._nested_tensor_storage_offsets())
-
-
-def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Write nested tensor ``value``'s components into those of nested tensor ``target`` (a view of a buffer)."""
-    if target.is_contiguous() and value.is_contiguous():
-        values(target).copy_(values(value))
-        return
-    for part, v in zip(target.unbind(), value.unbind()):  # torch's nested copy_ wants contiguous tensors
-        part.copy_(v)

@@ -12,6 +12,7 @@ torch accumulates in, float32 for the halves). Families, one module each:
 - ``linalg``: gamma_K(ua) * |A||B| for matmuls and convolutions, FFTs, and ``unbounded`` (inf) for
   solves and factorizations; ``normalization``, ``losses``, ``attention``, ``optimizer`` (add with
   alpha, addcmul, addcdiv, lerp, foreach);
+- ``transformer``: nn.TransformerEncoderLayer's fused kernel, composed to first order from its stages' budgets;
 - ``default``: an op no rule knows: ``DEFAULT_ULPS`` ulps of the result, ``is_default=True``.
 
 Rules live in one table (``BUDGETS``, lookup: exact op, predicates on the op plan, default) filled by

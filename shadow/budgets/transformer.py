@@ -49,7 +49,7 @@ def encoder_layer_budget(c: BudgetCall) -> Budget:
         _, bound = _layer(c, src, _masked_keys(c, src))
         return [bound]
 
-    return c.budget("attention", make)
+    return c.budget("composed", make)
 
 
 def _masked_keys(c: BudgetCall, x: torch.Tensor) -> torch.Tensor | None:
