@@ -24,8 +24,8 @@ from . import _compat
 
 def view(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """A nested tensor over ``buffer`` (1-D: the shadow of t's storage) laid out as nested tensor ``t``; a nested copy
-    of those components where torch cannot view them (torch 2.4.1 views only a buffer of the components' size: a
-    shadow the replay writes is then written back by the mirror, which finds it elsewhere)."""
+    of those components where torch cannot view them (torch 2.4.1 views only a buffer of the components' size; a
+    shadow the replay writes there, the mirror writes back: ``Mirror.commit_write``)."""
     sizes, strides, offsets = t._nested_tensor_size(), t._nested_tensor_strides(), t._nested_tensor_storage_offsets()
     if buffer.numel() == int(sizes.prod(1).sum()) or _compat.nested_views_of_larger_buffers():
         return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
@@ -43,9 +43,7 @@ def write(buffer: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> None:
     """Write nested tensor ``value``'s components where those of nested tensor t lie in ``buffer`` (1-D: the shadow
     of t's storage)."""
     if t.is_contiguous() and value.is_contiguous():
-        offsets = t._nested_tensor_storage_offsets()
-        start = int(offsets[0]) if offsets.numel() else 0
-        buffer[start:start + t.numel()].copy_(values(value))
+        _span(buffer, t).copy_(values(value))
         return
     for part, v in zip(components(buffer, t), value.unbind()):
         part.copy_(v)
@@ -56,10 +54,15 @@ def values(t: torch.Tensor) -> torch.Tensor:
     components lie one after the other, each contiguous, else a copy."""
     t = t.detach()
     if t.is_contiguous():
-        offsets = t._nested_tensor_storage_offsets()
-        start = int(offsets[0]) if offsets.numel() else 0
-        return t.values()[start:start + t.numel()]
+        return _span(t.values(), t)
     return torch.cat([c.reshape(-1) for c in t.unbind()])
+
+
+def _span(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The part of ``buffer`` (1-D: t's storage or its shadow) that contiguous nested tensor t's components fill."""
+    offsets = t._nested_tensor_storage_offsets()
+    start = int(offsets[0]) if offsets.numel() else 0
+    return buffer[start:start + t.numel()]
 
 
 def alike(a: object, b: object) -> bool:
