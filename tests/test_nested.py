@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shadow import ShadowMode, _compat, nested
 from shadow.budgets import budget_for
+from shadow.engine import EngineHooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,6 +116,29 @@ def test_encoder_fast_path_is_shadowed(dtype):
         bits = -math.log2(eps)  # stored mantissa bits
         # each layer rounds at every stage: measured 21.3 bits of float32's 23, 6.2 of bfloat16's 7
         assert all(bits - 3 < r.local.effective_bits <= bits for r in layers)
+
+
+@pytest.mark.parametrize("world", ["device", "exact"])
+def test_ablation_worlds_reach_nested_results(world):
+    """``shadow.attribute``'s worlds (``EngineHooks.world``) give a nested result's shadow its error too. In the
+    "device" world every call's shadow takes the error the device made on it: the float32 encoder's output shadow
+    is then the device's output (measured equal to the last bit) where the plain shadow is 0.92 eps from it. In
+    the "exact" world every call is made exact, its result correctly rounded: the shadow moves 0.28 eps off the
+    plain one."""
+    model, head = _encoder(f32).eval(), nn.Identity()
+    x, mask = _batch(f32)
+    with ShadowMode() as plain:
+        y, _ = _run(model, head, x, mask)
+    with ShadowMode(hooks=EngineHooks(world=lambda *call: world)) as sm:
+        y_world, _ = _run(model, head, x, mask)
+    assert torch.equal(y_world, y)
+    assert sm.report.coverage.internal_errors == 0 and not sm.report.coverage.unsupported
+    shadow, before = sm.shadow_of(y_world), plain.shadow_of(y)
+    assert rel(y, before) > 0.1 * torch.finfo(f32).eps
+    if world == "device":
+        assert rel(shadow, y) < TOL
+    else:  # each call's result correctly rounded to float32, carried on in float64
+        assert 0 < rel(shadow, before) < 4 * torch.finfo(f32).eps and rel(shadow, y) > TOL
 
 
 def _layer_args(model: nn.TransformerEncoder, src: torch.Tensor, dtype: torch.dtype, mask=None) -> tuple:
