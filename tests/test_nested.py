@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shadow import ShadowMode, _compat, nested
+from shadow import ShadowMode, nested
 from shadow.budgets import budget_for
 from shadow.engine import EngineHooks
 
