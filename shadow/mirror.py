@@ -7,6 +7,9 @@ Entries are keyed by the StorageImpl address and hold a weak reference to it (wh
 which keeps the address from being reused while the entry lives; ``sweep`` drops the entries of dead
 storages. Every method here runs inside ``__torch_dispatch__`` with dispatch disabled.
 
+A nested tensor (``torch.nested``) has one buffer storage, mirrored alike; its shadow is a float64 nested tensor
+over the storage's shadow with its nested sizes, strides and offsets (``shadow.nested``).
+
 Where the shadows live (``ShadowMode(shadow_device=...)``) is a ``Placement``: every shadow the mirror and the
 engine make goes to ``placement(device tensor's device)``, resolved once per device (docs/architecture.md:
 Where shadows live).
@@ -20,6 +23,7 @@ from typing import Any, Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import nested
 from .errors import ShadowOptionError
 from .scratch import copy
 
@@ -175,6 +179,8 @@ class _Entry:
 
 
 def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if t.is_nested:
+        return nested.view(base, t)
     r = base.as_strided(t.size(), t.stride(), t.storage_offset())
     # conjugate and negative views (x.conj(), x.mH, _neg_view) read their storage through a lazy bit: the
     # shadow view needs the same bit, and a copy_ into it then writes the storage's raw values, as the device
@@ -187,6 +193,8 @@ def _region(base: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _storage_values(t: torch.Tensor, n: int) -> torch.Tensor:
     """t's whole storage as n raw values (as_strided keeps t's conj/neg bit, which would store conj(x) or -x)."""
+    if t.is_nested:  # its buffer
+        return t.detach().values()
     flat = t.detach().as_strided((n,), (1,), 0)
     if flat.is_conj():
         flat = flat.conj()
@@ -211,7 +219,9 @@ def _as_pair(base: torch.Tensor, itemsize: int, t: torch.Tensor) -> torch.Tensor
 def any_nonfinite(values: torch.Tensor) -> bool:
     """Whether ``values`` hold a NaN or an infinity. Their sum is non-finite wherever an element is (and, rarely,
     where finite values overflow it): only then does the exact test run, whose mask is as large as ``values``
-    (a sum of 38M float64 values takes 25 ms, the mask and its test 300)."""
+    (a sum of 38M float64 values takes 25 ms, the mask and its test 300). A nested tensor: its components'."""
+    if values.is_nested:
+        values = nested.values(values)
     if values.numel() == 0 or (values.dtype in _SUMMED and bool(torch.isfinite(values.sum()))):
         return False
     return not bool(torch.isfinite(values).all())
@@ -232,9 +242,20 @@ def _drift_after(e: _Entry, t: torch.Tensor, drift: float) -> float:
     return drift if t.numel() * t.element_size() == e.nbytes else max(e.drift, drift)
 
 
+def _same_place(shadow: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``shadow`` lies in its storage where ``t`` lies in its own (a view of t's storage shadow is t's)."""
+    if t.is_nested or shadow.is_nested:
+        return nested.same_layout(shadow, t)
+    return shadow.size() == t.size() and shadow.stride() == t.stride() \
+        and shadow.storage_offset() == t.storage_offset()
+
+
 def _write_region(base: torch.Tensor, t: torch.Tensor, value: torch.Tensor) -> None:
     """Write ``value`` into ``base`` where ``t`` lies in its storage; self-overlapping layouts (stride 0)
     cannot be ``copy_``-ed into, so they go through flat indices (duplicates hold equal values)."""
+    if t.is_nested:
+        nested.write(base, t, value)
+        return
     if torch._debug_has_internal_overlap(t) == 0:
         _region(base, t).copy_(value)
         return
@@ -281,8 +302,13 @@ class Mirror:
         return _region(e.base, t)
 
     def upcast(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of t in its shadow dtype on its shadow device: exact for every floating dtype."""
-        return copy(t, self.shadow_dtype(t.dtype) or t.dtype, self.place(t.device))
+        """A copy of t in its shadow dtype on its shadow device: exact for every floating dtype (a nested tensor:
+        its storage's, viewed as t: torch copies only contiguous nested tensors)."""
+        dtype, device = self.shadow_dtype(t.dtype) or t.dtype, self.place(t.device)
+        if t.is_nested:
+            storage = _storage_values(t, t.untyped_storage().nbytes() // t.element_size())
+            return nested.view(copy(storage, dtype, device), t)
+        return copy(t, dtype, device)
 
     def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()
@@ -348,6 +374,7 @@ class Mirror:
         sd = self.shadow_dtype(t.dtype)
         if (
             fresh
+            and not t.is_nested  # a nested value's buffer may be laid out otherwise: copied below
             and numel == n
             and t.storage_offset() == 0
             and t.is_contiguous()
@@ -378,9 +405,7 @@ class Mirror:
             and e.nbytes == st.nbytes()
             and e.itemsize == t.element_size()
             and shadow_view.untyped_storage()._cdata == e.base.untyped_storage()._cdata
-            and shadow_view.size() == t.size()
-            and shadow_view.stride() == t.stride()
-            and shadow_view.storage_offset() == t.storage_offset()
+            and _same_place(shadow_view, t)
         ):
             e.exact = e.exact and exact
             e.nonfinite = _still_nonfinite(e, t, nonfinite)

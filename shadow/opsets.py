@@ -63,6 +63,9 @@ DATA_MOVEMENT = frozenset({
     "native_channel_shuffle", "_unsafe_masked_index", "_unsafe_view", "_reshape_alias", "_to_dense", "to_dense",
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
     "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+    # nested tensors packed from a padded batch or a list, and padded back
+    "_nested_tensor_from_mask", "_nested_tensor_from_tensor_list", "_nested_from_padded",
+    "_nested_from_padded_and_nested_example", "to_padded_tensor",
 })
 # Copies of views (``torch.Tag.view_copy`` marks them too)
 VIEW_COPIES = frozenset({

@@ -35,11 +35,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 F32, F64 = torch.float32, torch.float64
 
-# Cases with ops shadow records as unsupported by design, each with its reason. TransformerEncoder eval with a
-# padding mask: the fast path packs the batch into nested tensors, which the mirror cannot hold (a shape per
-# component, no strides); the reason tells how to shadow it (enable_nested_tensor=False: case encoder_dense).
-UNSUPPORTED = {("encoder", "eval"): ({"aten._nested_tensor_from_mask.default", "aten.to_padded_tensor.default",
-                                      "aten._transformer_encoder_layer_fwd.default"}, "enable_nested_tensor=False")}
 # (model, habit) run in float32 and float64, or float32 only where float64 has nothing to say (autocast leaves
 # float64 alone; compile has its own tests below)
 BOTH = [(m, "train") for m in ("gpt2", "gpt2_eager", "llama_gqa", "bert", "t5", "vit", "lstm", "gru", "mha", "encoder",
@@ -68,7 +63,7 @@ CASES = _params(BOTH, (F32, F64)) + _params(FLOAT32_ONLY, (F32,)) + _params(SLOW
 COVERS = {
     ("gru", "train"): "aten.transpose_",  # an in-place view op: a write shadow sees, not an unobserved one
     ("mha", "eval"): "aten._native_multi_head_attention",  # nn.MultiheadAttention's inference fast path
-    ("encoder", "eval"): "aten._nested_tensor_from_mask",  # the padded batch packed into a nested tensor
+    ("encoder", "eval"): "aten._nested_tensor_from_mask",  # the fast path, on the batch packed into nested tensors
     ("encoder_dense", "eval"): "aten._transformer_encoder_layer_fwd",  # the fast path on the padded batch
 }
 
@@ -113,13 +108,7 @@ def test_program_is_untouched_and_fully_seen(name, habit, dtype):
     sm = ShadowMode()
     shadowed = _run(build(name, habit=habit, dtype=dtype), sm)
     assert_identical(plain, shadowed)
-    if (name, habit) in UNSUPPORTED:
-        ops, says = UNSUPPORTED[name, habit]
-        cov = sm.report.coverage
-        assert set(cov.unsupported) == ops and all(says in why for why in cov.unsupported.values()), str(cov)
-        assert cov.internal_errors == 0 and cov.unobserved_writes == 0, str(cov)
-    else:
-        assert_sees_everything(sm)
+    assert_sees_everything(sm)
     if dtype == F64:
         assert_float64_exact(sm)
     if (name, habit) in COVERS:

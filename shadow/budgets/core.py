@@ -193,8 +193,8 @@ class Budget:
     """The error budget of one op call: a bound per output element and how it was derived.
 
     ``family``: the rule family ("elementwise", "movement", "reduction", "matmul", "conv", "norm", "loss",
-    "attention", "unbounded", "default"...); ``bound``: one float64 tensor per output (broadcastable to it;
-    ``None`` for discrete outputs), computed on first access; ``is_default``: no rule knows this op and the
+    "attention", "composed", "unbounded", "default"...); ``bound``: one float64 tensor per output (broadcastable
+    to it; ``None`` for discrete outputs), computed on first access; ``is_default``: no rule knows this op and the
     bound is a guess of a few ulps; ``ulps``: set when the bound is exactly ``ulps`` units in the last
     place of the output (``ulps * spacing(|r|)``), so ``budget_used = max_ulp / ulps`` needs no tensor. A rule
     may give formulas instead (``of_formulas``, ``UlpsPlus``): ``compared`` hands them to the comparison, which

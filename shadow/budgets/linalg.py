@@ -33,6 +33,8 @@ from .elementwise import ULPS
 # random data (sum|a||b| ~ (2/pi) K vs ||a|| ||b|| ~ K for Gaussian entries), more when the mass of a_i
 # and b_j sits on different k (sparse or one-hot rows).
 EXACT_MAGNITUDE_MACS = 1 << 16
+# gelu's largest slope, Phi(x) + x phi(x) at x = sqrt(2): 1.1289 (relu's is 1)
+GELU_LIPSCHITZ = 1.13
 
 
 def _sq_sum(c: BudgetCall, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -123,11 +125,11 @@ def mm_budget(c: BudgetCall) -> Budget:
 
 @register_budget(*overloads("_addmm_activation"))
 def addmm_activation_budget(c: BudgetCall) -> Budget:
-    """relu (1-Lipschitz) or gelu (Lipschitz 1.13) after addmm, plus the activation's own ulps."""
+    """relu (1-Lipschitz) or gelu (Lipschitz ``GELU_LIPSCHITZ``) after addmm, plus the activation's own ulps."""
     A, B, bias = _factors(c)
     b = _addmm_like(c, A, B, A.shape[-1], bias, c.a.get("beta"), c.a.get("alpha"))
     r = c.out()
-    return c.budget("matmul", lambda: [1.13 * b.bound[0] + c.ulp_bound(r, ULPS["transcendental"])],
+    return c.budget("matmul", lambda: [GELU_LIPSCHITZ * b.bound[0] + c.ulp_bound(r, ULPS["transcendental"])],
                     b.scales)
 
 

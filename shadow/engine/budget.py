@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .. import nested
 from ..budgets import Budget, budget_for
 from .values import Outputs, Prepared
 
@@ -16,15 +17,16 @@ if TYPE_CHECKING:
 
 
 def budget_of_outputs(engine: Engine, prepared: Prepared, outputs: Outputs) -> Budget | None:
-    """The budget of the call's outputs, each at its slot; None (no budget) where there is nothing to bound or no
-    tensor output."""
+    """The budget of the call's outputs, each at its slot (a nested one: its values, ``shadow.nested.values``); None
+    (no budget) where there is nothing to bound or no tensor output."""
     slots: list = [None] * outputs.slots  # None where an output is absent
     found = False
     for o in outputs.items:
         if o.slot is not None and isinstance(o.device, torch.Tensor):
             if o.slot >= len(slots):
                 slots += [None] * (o.slot + 1 - len(slots))
-            slots[o.slot] = o.reference
+            reference = o.reference
+            slots[o.slot] = nested.values(reference) if reference.is_nested else reference
             found = True
     return budget_of(engine, prepared, slots, outputs.dtype) if found else None
 

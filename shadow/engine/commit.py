@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import nested
 from ..attribution.adjoint import split_error
 from ..mirror import SHADOW_DTYPES, any_nonfinite
 from ..plan import OpPlan, flat_returns
@@ -47,14 +48,23 @@ def in_world(engine: Engine, how: str, outputs: Outputs, compared: tuple[Compare
     for o, c in zip(outputs.items, compared):
         device, reference, keep = o.device, o.reference, c.keep
         if not isinstance(device, torch.Tensor) or not isinstance(reference, torch.Tensor) or keep is None \
-                or c.mismatch or not device.is_floating_point() or reference.shape != device.shape \
-                or keep.shape != device.shape:
+                or c.mismatch or not device.is_floating_point():
+            rewritten.append(c)
+            continue
+        values = keep
+        if device.is_nested:  # its values take the error, in the kept shadow made contiguous (values: a view)
+            if not nested.alike(device, reference) or not nested.alike(device, keep):
+                rewritten.append(c)
+                continue
+            keep = keep.contiguous()
+            device, reference, values = nested.values(device), nested.values(reference), nested.values(keep)
+        elif reference.shape != device.shape or keep.shape != device.shape:
             rewritten.append(c)
             continue
         # the error first: the reference may be the shadow to keep itself; equal non-finite values carry none
         removable, rounding = split_error(engine.mirror.upcast(device), reference, device.dtype)
-        keep.add_(rounding if how == "exact" else removable.add_(rounding))
-        rewritten.append(c._replace(exact=False))
+        values.add_(rounding if how == "exact" else removable.add_(rounding))
+        rewritten.append(c._replace(exact=False, keep=keep))
     return tuple(rewritten)
 
 
@@ -68,7 +78,7 @@ def adopt(engine: Engine, tensors: Any) -> None:
     mirror = engine.mirror
     for t in tensors:
         if isinstance(t, torch.Tensor) and not t._is_zerotensor() and mirror.shadow_dtype(t.dtype) is not None \
-                and t.layout == torch.strided and not t.is_nested:  # sparse and nested results: not mirrored
+                and t.layout == torch.strided:  # sparse results: not mirrored
             mirror.assign(t, mirror.upcast(t), exact=True, fresh=True, nonfinite=any_nonfinite(t))
 
 
@@ -80,7 +90,7 @@ def resync_written(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> N
     if engine.copies:  # device values read over before this write are out of date
         engine.copies.drop(plan.tensors(args, kwargs, plan.writes))
     for _, t in plan.tensors(args, kwargs, plan.writes):
-        if t.layout == torch.strided and not t.is_nested and t.device.type != "meta" \
+        if t.layout == torch.strided and t.device.type != "meta" \
                 and mirror.shadow_dtype(t.dtype) is not None and mirror.known(t) is not None:
             mirror.resync(t)
             mirror.note_write(mirror.entry(t))

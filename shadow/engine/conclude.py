@@ -54,7 +54,7 @@ def finish(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out: A
             adopt_all(engine, plan, args, kwargs, out)
         else:
             for _, t in flat_returns(plan, out):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                     engine.mirror.seen_empty(t)
         record(engine, plan, kind, args, kwargs, out, inputs=prepared.inputs)
         return

@@ -185,6 +185,8 @@ class Engine:
         """A CPU copy of t's shadow, wherever the shadows live (shadow_device=)."""
         v = self.shadow_view(t)
         with _no_dispatch():
+            if v.is_nested and not v.is_contiguous():  # torch copies only contiguous nested tensors
+                v = v.contiguous()
             return v.to(CPU, copy=True)
 
     def shadow_view(self, t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import nested
 from ..budgets import Budget
 from ..errors import Unsupported
 from ..metrics import ErrorStats, compare, compare_pair, count_flips
@@ -19,7 +20,6 @@ from ..records import BudgetInfo
 from ..report import merged
 from ..spot import SpotStats
 from .budget import budget_of_outputs, guarded, with_bounds
-from .prepare import NESTED
 from .spotcheck import apply_corrections, spot_check
 from .values import Compared, Output, Outputs, Prepared, Verdict
 
@@ -60,6 +60,8 @@ def _compare(engine: Engine, prepared: Prepared, o: Output, outputs: Outputs, bu
     """One output's figures: a tensor's where the op defines its elements (``outputs.defined``: elsewhere the
     shadow keeps the device's values), a number's (.item(), equal: compared as a 0-d tensor, never kept)."""
     if isinstance(o.device, torch.Tensor):
+        if o.device.is_nested:
+            return _compare_nested(engine, prepared, o, budget)
         defined = outputs.defined[o.slot] if outputs.defined is not None and o.slot is not None \
             and o.slot < len(outputs.defined) else None
         return _compare_tensor(engine, prepared, o, o.device.dtype, budget, defined, outputs.items)
@@ -79,8 +81,6 @@ def _compare_tensor(engine: Engine, prepared: Prepared, o: Output, dtype: torch.
         return Compared()
     if device.layout != torch.strided:  # a sparse result (to_sparse): no strided storage to mirror
         raise Unsupported(prepared.plan.name, f"{device.layout} result: shadow mirrors strided tensors only")
-    if device.is_nested:
-        raise Unsupported(prepared.plan.name, NESTED.format("result"))
     if shadow.shape != device.shape:  # a data-dependent shape the shadow did not reproduce: the device's adopted
         return Compared(mismatch=1, exact=True,
                         keep=engine.mirror.upcast(device) if shadow_dtype is not None else None)
@@ -105,6 +105,21 @@ def _compare_tensor(engine: Engine, prepared: Prepared, o: Output, dtype: torch.
     local = local[defined] if isinstance(local, torch.Tensor) and local.shape == defined.shape else local
     bound = torch.broadcast_to(bound, defined.shape)[defined] if isinstance(bound, torch.Tensor) else bound
     return figures(engine, keep, device, shadow, local, dtype, bound, ulps, int((~defined).sum()))
+
+
+def _compare_nested(engine: Engine, prepared: Prepared, o: Output, budget: Budget | None) -> Compared:
+    """A nested result's figures: its values' (``shadow.nested.values``, as its budget bounds them), read over to
+    where its shadow lives; the mirror keeps the nested shadow. Components of other shapes than the device's: the
+    device's result adopted."""
+    device, shadow, local = o.device, o.shadow, o.local
+    shadow_dtype = engine.mirror.shadow_dtype(device.dtype)
+    if not nested.alike(device, shadow):
+        return Compared(mismatch=1, exact=True,
+                        keep=engine.mirror.upcast(device) if shadow_dtype is not None else None)
+    flat = Output(nested.values(device).to(shadow.device), nested.values(shadow),
+                  nested.values(local) if nested.alike(device, local) else None, o.written, o.slot)
+    c = _compare_tensor(engine, prepared, flat, device.dtype, budget, None, ())
+    return c if c.keep is None else c._replace(keep=shadow.to(c.keep.dtype))
 
 
 def _bound(budget: Budget | None, slot: int | None) -> tuple[Any, float | None]:
@@ -199,6 +214,8 @@ def cpu_error(prepared: Prepared, outputs: Outputs) -> ErrorStats | None:
                 or SHADOW_DTYPES.get(device.dtype) is None:
             continue
         reference, result = o.reference, results[o.slot]
+        if nested.alike(result, reference):  # judged by their values
+            result, reference = nested.values(result), nested.values(reference)
         if isinstance(result, torch.Tensor) and isinstance(reference, torch.Tensor) \
                 and result.shape == reference.shape:
             stats.append(compare(result, reference, device.dtype))

@@ -18,12 +18,6 @@ from .values import Args, Prepared
 if TYPE_CHECKING:
     from .core import Engine, Route
 
-# Nested tensors have a shape per component and no strides: the mirror cannot hold their shadows (test_nested.py)
-NESTED = ("nested tensor {}: shadow mirrors dense tensors only (nested tensors come from torch.nested, or from "
-          "nn.TransformerEncoder's fast path for padded batches in eval mode); build the encoder with "
-          "enable_nested_tensor=False, or run it in training mode or without src_key_padding_mask, to shadow it")
-
-
 class NoValues(Exception):
     """The call runs on meta tensors: shapes only, no values to shadow."""
 
@@ -47,8 +41,10 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
     if plan.writes and engine.copies:  # the op writes these: copies read over before it are out of date
         engine.copies.drop(plan.tensors(args, kwargs, plan.writes))
     dtype = inputs.tensors[0].dtype if inputs.tensors else None
-    # float64 devices have no headroom over the float64 reference: nothing to validate
-    spot = engine.spotting and dtype is not None and dtype != torch.float64 and engine.spot.wants(plan.name)
+    # float64 devices have no headroom over the float64 reference: nothing to validate; the elements of nested
+    # inputs have no indices a reference could read
+    spot = engine.spotting and dtype is not None and dtype != torch.float64 and not inputs.nested \
+        and engine.spot.wants(plan.name)
     budget = options.budgets and options.local and dtype is not None
     fixed = route.fixed if budget else None
     pre = None
@@ -73,9 +69,9 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
 
 class InputShadows:
     """The shadows of one call's tensor arguments (``plan.map_tensors``' function), and what they say of the call:
-    whether every one is exact, holds a NaN or an infinity, the largest drift."""
+    whether every one is exact, holds a NaN or an infinity, the largest drift, whether one is nested."""
 
-    __slots__ = ("engine", "plan", "exact", "nonfinite", "drift", "tensors", "storages", "read")
+    __slots__ = ("engine", "plan", "exact", "nonfinite", "drift", "tensors", "storages", "read", "nested")
 
     def __init__(self, engine: Engine, plan: OpPlan):
         self.engine, self.plan = engine, plan
@@ -86,6 +82,7 @@ class InputShadows:
         self.storages: set[int] = set()  # their shadows' storages
         # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
         self.read: dict[int, torch.Tensor] = {}
+        self.nested = False
 
     def __call__(self, t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
         if spec.write:
@@ -101,8 +98,6 @@ class InputShadows:
             raise NoValues
         if t.layout != torch.strided:  # sparse (COO, CSR...) and mkldnn tensors have no strided storage to mirror
             raise Unsupported(self.plan.name, f"{t.layout} argument: shadow mirrors strided tensors only")
-        if t.is_nested:
-            raise Unsupported(self.plan.name, NESTED.format("argument"))
         engine = self.engine
         mirror = engine.mirror
         shadow_dtype = mirror.shadow_dtype(t.dtype)
@@ -114,6 +109,7 @@ class InputShadows:
         if t._is_zerotensor():  # _efficientzerotensor has no memory to read
             return torch.zeros(t.shape, dtype=shadow_dtype, device=mirror.place(t.device))
         entry = entry_of(engine, self.plan, t)
+        self.nested = self.nested or t.is_nested
         self.nonfinite = self.nonfinite or entry.nonfinite
         if entry.drift > self.drift:
             self.drift = entry.drift
@@ -141,9 +137,12 @@ class Upcasts:
         if c is None:
             engine = self.engine
             mirror = engine.mirror
-            to = mirror.place(t.device)
-            values = t if to == t.device else engine.copies.read(t, self.batch)
-            c = self.seen[id(t)] = engine.scratch.copy(values, mirror.shadow_dtype(t.dtype) or t.dtype, to)
+            if t.is_nested:  # copied as it is (never read over in batches, nor into pooled memory)
+                c = self.seen[id(t)] = mirror.upcast(t)
+            else:
+                to = mirror.place(t.device)
+                values = t if to == t.device else engine.copies.read(t, self.batch)
+                c = self.seen[id(t)] = engine.scratch.copy(values, mirror.shadow_dtype(t.dtype) or t.dtype, to)
         return c
 
 
@@ -188,7 +187,7 @@ def see(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> None:
     mirror = engine.mirror
     for spec, t in plan.tensors(args, kwargs):
         if t.device.type != "meta" and mirror.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
-                and t.layout == torch.strided and not t.is_nested:
+                and t.layout == torch.strided:
             entry = entry_of(engine, plan, t)
             if spec.index in plan.declared_writes:
                 mirror.note_write(entry)
