@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from shadow.devices.numerics import flushes_subnormals
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -15,6 +17,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def subnormals_kept():
+    """Each test starts with subnormals kept: torch 2.4's Inductor compiles its C++ with -ffast-math, and loading
+    it turns on flush-to-zero for the process (what ``torch.set_flush_denormal(True)`` does), which every later
+    test's subnormal arithmetic would inherit. A test that needs it on sets it itself."""
+    yield
+    if flushes_subnormals():
+        torch.set_flush_denormal(False)
 
 
 def pytest_collection_modifyitems(config, items):

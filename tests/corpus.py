@@ -395,6 +395,20 @@ HF_MODELS = tuple(_HF)
 MODELS = tuple(_MODELS)
 
 
+def unavailable(name: str) -> str | None:
+    """Why model ``name`` cannot be built on this machine, or None: a Hugging Face model needs transformers, and
+    transformers >= 5 imports without its models on a torch older than it supports (2.4.1 among them)."""
+    if name not in _HF:
+        return None
+    try:
+        import transformers
+    except ImportError:
+        return "transformers is not installed"
+    if not transformers.utils.is_torch_available():
+        return f"transformers {transformers.__version__} does not run on torch {torch.__version__}"
+    return None
+
+
 # --- the habits ----------------------------------------------------------------------------------------------
 def _warmup_cosine(opt: torch.optim.Optimizer, total: int) -> Any:
     """Linear warmup over the first step, then cosine decay: the usual fine-tuning schedule."""

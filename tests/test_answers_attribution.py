@@ -105,9 +105,8 @@ def _float64_tensor(x: Any) -> Any:
 
 
 def _program(name: str, case: str) -> corpus.Program:
-    if name in corpus.HF_MODELS:  # transformers >= 5 imports without its models on torch < 2.6
-        if not pytest.importorskip("transformers").is_torch_available():
-            pytest.skip("transformers' models need a newer torch")
+    if (why := corpus.unavailable(name)) is not None:
+        pytest.skip(why)
     dtype, habit = CASES[case]
     return corpus.build(name, dtype=dtype, habit=habit, steps=1)
 

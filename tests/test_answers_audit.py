@@ -219,10 +219,8 @@ def answer(name: str) -> Answer:
 
 
 def _check(name: str) -> None:
-    if name in corpus.HF_MODELS:
-        transformers = pytest.importorskip("transformers")
-        if not transformers.utils.is_torch_available():
-            pytest.skip(f"transformers {transformers.__version__} does not run on torch {torch.__version__}")
+    if (why := corpus.unavailable(name)) is not None:
+        pytest.skip(why)
     a = answer(name)
     # every module with calls has a row, those whose work is all in their children too (GPT-2's mlp)
     computing = {k for k, m in a.truth.modules.items() if not isinstance(m, (nn.ModuleList, nn.Dropout))}

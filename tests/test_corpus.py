@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import shadow
 from shadow import ShadowMode, _compat
 
-from corpus import HF_MODELS, Program, build, run
+from corpus import Program, build, run, unavailable
 from test_interference import _state, assert_clean_report, assert_identical
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,8 +101,8 @@ def assert_float64_exact(sm: ShadowMode) -> None:
 
 @pytest.mark.parametrize("name, habit, dtype", CASES)
 def test_program_is_untouched_and_fully_seen(name, habit, dtype):
-    if name in HF_MODELS:
-        pytest.importorskip("transformers")
+    if (why := unavailable(name)) is not None:
+        pytest.skip(why)
     _run(build(name, habit=habit, dtype=dtype), None)  # warnings torch gives once per process (TORCH_WARN_ONCE)
     plain = _run(build(name, habit=habit, dtype=dtype), None)
     sm = ShadowMode()

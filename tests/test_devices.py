@@ -359,6 +359,20 @@ def test_numerics_settings_never_raise_on_mixed_tf32_apis(restore_numerics):
     assert s["torch.backends.cuda.matmul.allow_tf32"].startswith("error: RuntimeError")
 
 
+def test_numerics_settings_read_whether_subnormals_are_flushed():
+    """Flush-to-zero is read from the arithmetic itself (torch.set_flush_denormal has no getter): on, a float32
+    product of 1e-20 and 1e-20 (a subnormal, 1e-40) is 0 on the CPU."""
+    tiny = torch.tensor([1e-20])
+    assert numerics_settings()["torch.set_flush_denormal"] is False and (tiny * tiny).item() > 0
+    try:
+        if not torch.set_flush_denormal(True):
+            pytest.skip("this CPU has no flush-to-zero mode torch can set (x86 with SSE3 has)")
+        assert numerics_settings()["torch.set_flush_denormal"] is True and (tiny * tiny).item() == 0
+    finally:
+        torch.set_flush_denormal(False)
+    assert numerics_settings()["torch.set_flush_denormal"] is False
+
+
 # --- CPU fallback detection ---
 @pytest.fixture(scope="module")
 def ops():

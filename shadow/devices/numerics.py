@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .discovery import _describe
@@ -25,6 +26,13 @@ def _call(path: str) -> Callable[[], Any]:
     return lambda: _attr(path)()()
 
 
+def flushes_subnormals() -> bool:
+    """Whether this thread's CPU flushes subnormal numbers to zero: ``torch.set_flush_denormal(True)`` sets it,
+    and so does loading code compiled with ``-ffast-math`` (torch 2.4's Inductor compiles its C++ that way, so
+    a ``torch.compile`` call there turns it on for the rest of the process). Read with numpy: no torch op."""
+    return bool(np.float64(1e-310) * np.float64(1.0) == 0.0)
+
+
 # name -> reader; a name whose API this torch lacks is left out. The fp32_precision API (torch >= 2.9)
 # sits beside the legacy flags; after the new API has been used, reading a legacy flag may raise.
 NUMERICS: dict[str, Callable[[], Any]] = {
@@ -41,6 +49,7 @@ NUMERICS: dict[str, Callable[[], Any]] = {
         # elsewhere PyTorch's own kernels round more (docs/budgets.md: Kernel findings)
         "torch.ops.mkldnn._is_mkldnn_bf16_supported",
     )},
+    "torch.set_flush_denormal": flushes_subnormals,
     **{p: _attr(p) for p in (
         "torch.backends.cuda.matmul.allow_tf32",
         "torch.backends.cudnn.allow_tf32",
