@@ -267,6 +267,7 @@ class Verdict:
     unsupported: tuple[tuple[str, str], ...]  # (op, first reason) of the ops shadow could not replay
     unsupported_calls: int
     notes: tuple[str, ...]  # what else limits the report: internal errors, unseen writes, capped records...
+    known: tuple[tuple[str, str], ...]  # (op class over budget, the kernel property that explains it: KERNELS)
 
     @property
     def suspicious(self) -> bool:
@@ -303,6 +304,7 @@ class Verdict:
             out.append(f"{n} op class{'es' if n > 1 else ''} over budget ({'their' if n > 1 else 'its'} own "
                        f"error beyond what a correct {dtypes} kernel makes):")
             out += [f"  {c}" for c in self.over_budget]
+        out += [f"known: {op}: {why}" for op, why in self.known]
         if self.first_nonfinite_op:
             out.append(f"device and shadow disagree on NaN/Inf in {self.nonfinite_elements} elements, first in "
                        f"{op_class(self.first_nonfinite_op)}; where it was born is past the kept records (raise "
@@ -336,6 +338,29 @@ class Verdict:
     @property
     def text(self) -> str:
         return "\n".join(self.lines)
+
+
+def _thnn_bf16_convolutions(numerics: dict) -> bool:
+    """Whether a CPU bfloat16 convolution ran PyTorch's own kernels: oneDNN has none below AVX-512 or is disabled."""
+    return False in (numerics.get("torch.backends.mkldnn.enabled"),
+                     numerics.get("torch.ops.mkldnn._is_mkldnn_bf16_supported()"))
+
+
+# (op classes, dtype, when (on the report's meta["numerics"]), why): kernel properties measured and reproduced bit for
+# bit (docs/budgets.md: Kernel findings) that put a correct kernel's calls over the budget of one rounding
+KERNELS = (
+    (("aten.convolution", "aten.convolution_backward"), "torch.bfloat16", _thnn_bf16_convolutions,
+     "if it ran on the CPU: this CPU has no oneDNN bfloat16 convolution (below AVX-512, or oneDNN disabled: "
+     "meta numerics), so PyTorch's own kernels ran, which round partial sums to bfloat16 (col2im adds the "
+     "overlapping columns in bfloat16: up to one rounding per kernel offset, 9 for 3x3, where a correct kernel "
+     "rounds once); a property of those kernels, reproduced bit for bit (docs/budgets.md: Kernel findings)"),
+)
+
+
+def known_kernels(classes: tuple[OpClass, ...], numerics: dict) -> tuple[tuple[str, str], ...]:
+    """The op classes over budget that a kernel property in ``KERNELS`` explains, with what it is."""
+    return tuple((c.op, why) for c in classes for ops, dtype, when, why in KERNELS
+                 if c.op in ops and dtype in c.dtypes and when(numerics))
 
 
 def op_classes(report: Report) -> list[OpClass]:
@@ -390,12 +415,14 @@ def conclude(report: Report) -> Verdict:
         notes.append(f"compiled module {name} ({n} calls) {how}")
     unsupported = tuple(sorted((op, why) for op, why in cov.unsupported.items() if by_op.get(op) is not None
                                and by_op[op].kinds.get("unsupported")))
+    over_budget = tuple(c for c in classes if c.over_calls)
     return Verdict(
         calls=cov.calls, replayed=cov.replayed, budgeted=sum(c.budgeted_calls for c in classes),
         dtypes=tuple(sorted({d for c in classes for d in c.dtypes})),
-        over_budget=tuple(c for c in classes if c.over_calls), arithmetic=arithmetic(classes),
+        over_budget=over_budget, arithmetic=arithmetic(classes),
         nonfinite=NonfiniteOrigin.of(nonfinite), absorbed=nonfinite.absorbed, trained=nonfinite.trained,
         nonfinite_elements=sum(a.nonfinite for a in by_op.values()),
         first_nonfinite_op=first[1] if first is not None and first[0] not in kept else "",
         untrusted=tuple(sorted(untrusted.items(), key=lambda kv: (-kv[1], kv[0]))),
-        unsupported=unsupported, unsupported_calls=cov.unsupported_calls, notes=tuple(notes))
+        unsupported=unsupported, unsupported_calls=cov.unsupported_calls, notes=tuple(notes),
+        known=known_kernels(over_budget, report.meta.get("numerics") or {}))

@@ -339,6 +339,37 @@ def test_bfloat16_device_concludes_in_one_line_and_exceptions():
     assert len(v.lines) <= 3 + len(others)  # a line, the exceptions, the mask's info line: not one per op class
 
 
+# --- a kernel property the verdict knows: the CPU's own bfloat16 convolutions ------------------------------------
+@pytest.mark.parametrize("onednn", (False, True))
+def test_cpu_bfloat16_convolution_without_onednn_is_named(onednn):
+    """Without oneDNN's bfloat16 convolution (an AVX2 CPU; here oneDNN disabled), PyTorch's own kernels compute the
+    backward: its grad_input is not the correctly rounded gradient of the same bfloat16 values (float64 without
+    shadow), the call is over budget, and the verdict says which kernel property explains it. With oneDNN (where
+    this CPU has it) the verdict names nothing known."""
+    thnn = not onednn or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(shape, generator=g).bfloat16() for shape in ((4, 4, 8, 8), (8, 4, 3, 3), (4, 8, 8, 8)))
+
+    def grad_input(*tensors):
+        return torch.ops.aten.convolution_backward(*tensors, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                   [True, False, False])[0]
+
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        device, exact = grad_input(dy, x, w).double(), grad_input(dy.double(), x.double(), w.double())
+        with ShadowMode() as sm:
+            grad_input(dy, x, w)
+    v = conclude(sm.report)
+    rounded_once = (device - exact).abs() <= 2.0 ** -8 * exact.abs()  # within half an ulp: one rounding
+    if thnn:
+        assert not rounded_once.all()
+        assert "aten.convolution_backward" in {c.op for c in v.over_budget}
+        (known,) = v.known
+        assert known[0] == "aten.convolution_backward" and "PyTorch's own kernels" in known[1]
+        assert any(line.startswith("known: aten.convolution_backward") for line in v.lines)
+    else:
+        assert not v.known
+
+
 # --- shadow run on a tutorial's training script ------------------------------------------------------------------
 TUTORIAL = textwrap.dedent('''\
     """A character-level GPT as tutorials write it: the causal mask by masked_fill(-inf)."""
