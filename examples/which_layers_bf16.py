@@ -2,10 +2,12 @@
 
     python examples/which_layers_bf16.py
 
-For every module of a small transformer classifier and each candidate precision (bfloat16, float16, TF32), the
-audit estimates how much the loss would move if that module alone ran in that precision, everything else in
-float64 (one shadowed run: each op recomputed by the precision's emulated device on its float64 inputs, weighted
-by the float64 derivative of the loss), then measures the most sensitive modules directly (in brackets). It flags
+For every module of a small transformer classifier (its submodules included: the encoder layer's row covers its
+attention and feed-forward) and each candidate precision (bfloat16, float16, TF32), the audit estimates how much
+the loss would move if that module alone ran in that precision, everything else in float64 (one shadowed run:
+each op recomputed on its float64 inputs held in the format, by the device's own bfloat16 or float16 kernels, TF32
+emulated; weighted by the float64 derivative of the loss), then measures the most sensitive modules directly (in
+brackets). It flags
 modules whose values would overflow float16 (O) or fall below its smallest normal (U). The plan moves the least
 sensitive modules to the cheapest precision within a tolerance; plan.check runs the step with the plan on this
 device (bfloat16 and float16 by casting, TF32 emulated on a CPU) and measures the loss against float64.

@@ -7,7 +7,9 @@ approximate GELU on some backend would (on a real device, leave FaultMode out). 
 measures the drift of the loss against its float64 shadow, and says which share of it each op class, then each
 module, causes: by the linear method (one run: each op's own error weighted by the float64 derivative of the
 loss), then by ablation (one run per suspect: the drift left when it is made exact; it covers the backward and
-the optimizer too). Rounding (results stored in float32, which no kernel avoids) and the residual close the sum.
+the optimizer too). Each key's row also gives the share of its results' correct rounding (stored in float32, which
+no kernel avoids: on a correct device, the answer to "whose rounding drives my drift?"); the rounding left to no
+key and the residual close the sum.
 """
 
 from __future__ import annotations
