@@ -17,7 +17,9 @@ A failing test says which op classes went over, how far, what their error reads 
 report's table and verdict (``shadow.verdict``).
 
 Marker arguments: ``max_budget_used`` (default 1.0: a correct kernel's budget), ``nonfinite`` (default False:
-NaN/Inf born in the model, or device and shadow disagreeing on one, fails the test; True allows it), ``ignore``
+the verdict's NaN/Inf finding fails the test: NaN/Inf that reaches the loss, a gradient or a parameter, or device
+and shadow disagreeing on one past the kept records; a -inf attention mask that softmax absorbs does not; True
+allows it), ``ignore``
 (op names excused: "aten.mm", "mm" or "aten.mm.default"), ``emulate`` (an emulated device by name, entered outside
 ShadowMode: shadow.modes.emulate), and any ShadowMode option (``local=``, ``spot_checks=``...).
 
@@ -85,7 +87,7 @@ class _Check:
             problems.append(f"shadow: {len(over)} op class{'es' if len(over) > 1 else ''} over max_budget_used="
                             f"{self.max_budget_used:g} (the op's own error / the error a correct kernel may make):")
             problems += [f"  {c}" for c in over]
-        if not self.nonfinite and (verdict.nonfinite is not None or verdict.nonfinite_elements):
+        if not self.nonfinite and (verdict.nonfinite is not None or verdict.first_nonfinite_op):
             problems.append(f"shadow: {verdict.nonfinite or 'device and shadow disagree on NaN/Inf'} "
                             "(nonfinite=True allows it)")
         if not problems:
