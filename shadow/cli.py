@@ -44,7 +44,8 @@ from .modes.emulate import EMULATIONS
 from .options import FOLLOW
 from .distributed import rank_path
 from .records import Phase
-from .report import VIEWS, Report
+from .report import Report
+from .reportdata import VIEWS
 from .scratch import copy
 
 DEVICES = ("auto",) + _devices.BACKENDS

@@ -26,7 +26,8 @@ import math
 from collections import Counter
 
 from .compiled.compare import GraphChange, match_calls
-from .report import Aggregate, Report
+from .records import Aggregate
+from .reportdata import ReportData
 from .verdict import op_class, times
 
 FACTOR = 2.0  # a figure that moved by this factor or more changed (error figures between correct kernels vary less)
@@ -265,7 +266,7 @@ class Comparison:
         return "\n".join(self.lines)
 
 
-def compare(a: Report, b: Report, *, factor: float = FACTOR, floor: float = FLOOR,
+def compare(a: ReportData, b: ReportData, *, factor: float = FACTOR, floor: float = FLOOR,
             min_match: float = MIN_MATCH) -> Comparison:
     """Compare report ``b`` against ``a`` (see the module docstring). ``factor``: how much a figure must move to
     count; ``floor``: budget shares below which both sides are noise; ``min_match``: the share of calls that must

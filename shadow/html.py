@@ -23,7 +23,10 @@ from typing import Callable, Sequence
 from . import plots
 from .cli import _fail, _unwritable, command
 from .errors import ReportFormatError
-from .report import LEGEND, Aggregate, Report, _budget_cell, _floating, _fmt, _short_dtype, _ulp_cell, load_report
+from .records import Aggregate
+from .report import load_report
+from .reportdata import ReportData
+from .tables import LEGEND, budget_cell, drift_cell, floating, number, short_dtype, ulp_cell
 from .verdict import Verdict, conclude
 
 MAX_ROWS = 500  # rows of the over-budget table; the rest are counted (a long run can have thousands)
@@ -98,7 +101,7 @@ class _Cell:
         return f'<td class="num" data-v="{_sort_key(self.sort)}">{escape(self.text)}</td>'
 
 
-def render(report: Report, *, title: str = "shadow report") -> str:
+def render(report: ReportData, *, title: str = "shadow report") -> str:
     """The report as one HTML page (a str; write it with ``encoding="utf-8"``). Plots need matplotlib; without it
     the page says how to install it and shows everything else.
 
@@ -129,7 +132,7 @@ def render(report: Report, *, title: str = "shadow report") -> str:
             + "\n".join(body) + f"\n<script>{_SCRIPT}</script>\n</body></html>\n")
 
 
-def _meta(report: Report) -> str:
+def _meta(report: ReportData) -> str:
     """The run's meta: versions and other scalars in a table, each mapping (options, numerics) in its own block."""
     scalars = {k: v for k, v in report.meta.items() if not isinstance(v, dict)}
     parts = [_key_values(scalars)] if scalars else []
@@ -185,7 +188,7 @@ def _nonfinite(verdict: Verdict) -> str:
 _OVER_COLUMNS = ("#", "op", "module", "phase", "call site", "dtype", "shape", "budget used", "effective bits")
 
 
-def _over_budget(report: Report) -> str:
+def _over_budget(report: ReportData) -> str:
     records = report.records_over_budget()
     head = "<h2>Calls over budget</h2>\n"
     if not records:
@@ -194,8 +197,8 @@ def _over_budget(report: Report) -> str:
     for rec in records[:MAX_ROWS]:
         bits = rec.local.effective_bits if rec.local is not None else None
         cells = [_Cell(str(rec.index), rec.index), _Cell(rec.op), _Cell(rec.module or "(none)"), _Cell(str(rec.phase)),
-                 _Cell(rec.callsite or "-"), _Cell(_short_dtype(rec.dtype) or "-"),
-                 _Cell("x".join(map(str, rec.shape)) or "scalar"), _Cell(_fmt(rec.budget.used), rec.budget.used),
+                 _Cell(rec.callsite or "-"), _Cell(short_dtype(rec.dtype) or "-"),
+                 _Cell("x".join(map(str, rec.shape)) or "scalar"), _Cell(number(rec.budget.used), rec.budget.used),
                  _Cell("-", -1.0) if bits is None or math.isnan(bits) else _Cell(f"{bits:.1f}", bits)]
         rows.append(cells)
     more = (f'<p class="note">{len(records) - MAX_ROWS} more calls over budget not listed.</p>'
@@ -211,7 +214,7 @@ def _aggregates(table: dict[str, Aggregate], by: str) -> str:
         return "<p>No calls.</p>"
     rows = sorted(table.items(), key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero,
                                                  -kv[1].max_drift_rel, kv[0]))
-    mixed = len({d for a in table.values() for d in a.dtypes if _floating(d)}) > 1
+    mixed = len({d for a in table.values() for d in a.dtypes if floating(d)}) > 1
     columns = _AGGREGATE_COLUMNS if mixed else [c for c in _AGGREGATE_COLUMNS if c[0] != "dtype"]
     body = [[_Cell(key or "(none)")] + [cell(a) for _, cell in columns] for key, a in rows]
     return _table([by] + [name for name, _ in columns], body, [a.over_budget_calls > 0 for _, a in rows])
@@ -225,12 +228,12 @@ def _legend() -> str:
 
 _AGGREGATE_COLUMNS: list[tuple[str, Callable[[Aggregate], _Cell]]] = [
     ("calls", lambda a: _Cell(str(a.calls), a.calls)),
-    ("dtype", lambda a: _Cell("/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-")),
-    ("local ulp", lambda a: _Cell(_ulp_cell(a), a.max_local_ulp_nonzero)),
-    ("budget", lambda a: _Cell(_budget_cell(a), a.max_budget_used if a.budgeted_calls else -1.0)),
+    ("dtype", lambda a: _Cell("/".join(short_dtype(d) for d in a.dtypes if floating(d)) or "-")),
+    ("local ulp", lambda a: _Cell(ulp_cell(a), a.max_local_ulp_nonzero)),
+    ("budget", lambda a: _Cell(budget_cell(a), a.max_budget_used if a.budgeted_calls else -1.0)),
     ("bits", lambda a: _Cell("-", -1.0) if math.isinf(a.min_effective_bits)
      else _Cell(f"{a.min_effective_bits:.1f}", a.min_effective_bits)),
-    ("drift rel", lambda a: _Cell(_fmt(a.max_drift_rel), a.max_drift_rel)),
+    ("drift rel", lambda a: _Cell(drift_cell(a), a.max_drift_rel)),
     ("flips", lambda a: _Cell(str(a.flips), a.flips)),
     ("nonfin", lambda a: _Cell(str(a.nonfinite), a.nonfinite)),
     ("unsup", lambda a: _Cell(str(a.kinds.get("unsupported", 0)), a.kinds.get("unsupported", 0))),
@@ -248,7 +251,7 @@ def _table(headers: Sequence[str], rows: list[list[_Cell]], over: list[bool] | N
 
 
 
-def _plots(report: Report, shown: str) -> str:
+def _plots(report: ReportData, shown: str) -> str:
     """Every figure but ``shown``, which the verdict's figure on the first screen is."""
     if not plots.has_matplotlib():
         return f'<p class="note">{escape(plots.NEED_MATPLOTLIB)}</p>'
@@ -256,7 +259,7 @@ def _plots(report: Report, shown: str) -> str:
         f'\n<p class="note">The {escape(shown)} plot is at the top, under the verdict.</p>'
 
 
-def _figure(report: Report, name: str, css: str = "") -> str:
+def _figure(report: ReportData, name: str, css: str = "") -> str:
     data = base64.b64encode(plots.png(plots.FIGURES[name](report))).decode("ascii")
     css = f' class="{css}"' if css else ""
     return (f'<figure id="plot-{name}"{css}><img alt="{escape(name)} plot" '

@@ -6,11 +6,12 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
+from .savedform import COUNT, FIGURE, Fields, Maybe
 from .scratch import copy
 
 # The fused comparison pass needs numba; without it (no wheel for the platform, a broken install) compare
@@ -97,10 +98,27 @@ class ErrorStats:
         self.nonfinite_agreed += other.nonfinite_agreed
 
     def to_dict(self) -> dict:
-        """The saved form (``shadow.reportformat.ERROR_STATS``)."""
-        from .reportformat import ERROR_STATS
-
+        """The saved form (``ERROR_STATS``)."""
         return ERROR_STATS.write(self, "stats")
+
+
+def merged(stats: Iterable[ErrorStats | None]) -> ErrorStats | None:
+    """Merge the stats of several outputs into one (None if there are none). The stats of a call with one
+    output are returned as they are, not copied."""
+    present = [s for s in stats if s is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    out = ErrorStats()
+    for s in present:
+        out.merge(s)
+    return out
+
+
+ERROR_STATS = Fields("ErrorStats", {  # the saved form (shadow.reportformat)
+    "max_abs": FIGURE, "max_ulp": FIGURE, "rel_norm": FIGURE, "n": COUNT, "nonfinite_device": COUNT,
+    "nonfinite_reference": COUNT, "nonfinite_mismatch": COUNT, "nonfinite_agreed": COUNT, "norm": FIGURE,
+    "budget_used": Maybe(FIGURE), "effective_bits": Maybe(FIGURE), "zero_reference": COUNT,
+    "max_ulp_nonzero": Maybe(FIGURE)}, ErrorStats)
 
 
 @functools.cache  # finfo and log2 cost more than the figures a tiny comparison computes from it

@@ -13,11 +13,10 @@ import torch
 from .. import nested
 from ..budgets import Budget
 from ..errors import Unsupported
-from ..metrics import ErrorStats, compare, compare_pair, count_flips
+from ..metrics import ErrorStats, compare, compare_pair, count_flips, merged
 from ..mirror import SHADOW_DTYPES
 from ..plan import flat_returns
 from ..records import BudgetInfo
-from ..report import merged
 from ..spot import SpotStats
 from .budget import budget_of_outputs, guarded, with_bounds
 from .spotcheck import apply_corrections, spot_check
