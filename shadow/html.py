@@ -1,6 +1,6 @@
-"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the verdict and the plot that shows
-it (its first screen), the run's meta, coverage, where NaN/Inf is born and where it goes, the calls over budget, the
-per-op and per-module tables, and the other plots (``shadow.plots``).
+"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``: ``shadow.cli.html``): the verdict and
+the plot that shows it (its first screen), the run's meta, coverage, where NaN/Inf is born and where it goes, the
+calls over budget, the per-op and per-module tables, and the other plots (``shadow.plots``).
 
 Everything is inline (styles, a small table-sorting script, plots as base64 PNG) and the page's Content Security
 Policy forbids loading anything else, so it opens offline and can be mailed or attached to a bug report as one
@@ -12,19 +12,14 @@ file. Every string from the report is escaped.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import dataclasses
 import math
-import os
 from html import escape
 from typing import Callable, Sequence
 
 from . import plots
-from .cli import _fail, _unwritable, command
-from .errors import ReportFormatError
 from .records import Aggregate
-from .report import load_report
 from .reportdata import ReportData
 from .tables import LEGEND, budget_cell, drift_cell, floating, number, short_dtype, ulp_cell
 from .verdict import Verdict, conclude
@@ -271,40 +266,3 @@ def _sort_key(x: float) -> str:
     if math.isnan(x):
         return "-1e308"
     return repr(max(min(float(x), 1e308), -1e308))
-
-
-# --- the command ---
-def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("report", metavar="REPORT", help="a report saved as JSON (shadow run -o PATH, Report.save)")
-    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the HTML file to write")
-    p.add_argument("--png", metavar="DIR", default=None,
-                   help="also write the plots as PNG files into DIR (created if missing)")
-
-
-@command("html", "write a self-contained HTML report", _arguments)
-def _html(args: argparse.Namespace) -> int:
-    try:
-        report = load_report(args.report)
-    except FileNotFoundError:
-        return _fail(f"html: {args.report}: no such file; give a report saved by `shadow run` or Report.save")
-    except OSError as exc:
-        return _fail(f"html: {args.report}: cannot be read ({exc.strerror}); give a report file you can read")
-    except ReportFormatError as exc:
-        return _fail(f"html: {exc}; give a report saved by `shadow run` or Report.save")
-    if problem := _unwritable(args.output):
-        return _fail(f"html: -o {args.output}: {problem}; give a file path in a writable folder")
-    if args.png is not None:
-        if os.path.exists(args.png) and not os.path.isdir(args.png):
-            return _fail(f"html: --png {args.png}: is a file; give a directory (created if missing)")
-        try:
-            plots.require_matplotlib()
-        except ImportError as exc:
-            return _fail(f"html: --png: {exc}")
-    page = render(report)
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(page)
-    print(f"wrote {args.output}")
-    if args.png is not None:
-        for path in plots.write_pngs(report, args.png):
-            print(f"wrote {path}")
-    return 0
