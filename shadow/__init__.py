@@ -26,7 +26,7 @@ _PUBLIC = {  # name -> the module that defines it
     "ShadowOptionError": "errors", "ReportFormatError": "errors", "ShadowWarning": "errors",
     "attribute": "attribution.share", "AttributionResult": "attribution.share", "Share": "attribution.share",
     "merge_reports": "distributed",
-    "audit": "precision", "AuditReport": "precision", "AuditRow": "precision", "Plan": "precision.plan",
+    "audit": "precision", "AuditReport": "precision", "AuditRow": "precision", "Plan": "precision.lowering",
 }
 __all__ = list(_PUBLIC)
 

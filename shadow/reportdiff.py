@@ -25,7 +25,7 @@ import difflib
 import math
 from collections import Counter
 
-from .compiled.compare import GraphChange, match_calls
+from .compiled.matching import GraphChange, match_calls
 from .records import Aggregate
 from .reportdata import ReportData
 from .verdict import op_class, times
@@ -273,7 +273,7 @@ def diff_reports(a: ReportData, b: ReportData, *, factor: float = FACTOR, floor:
     match in order, else ``ReportDiffError``."""
     if not factor > 1:
         raise ValueError(f"factor={factor!r}: expected a number > 1")
-    # a compiled graph's call and the calls of the other run it stands for are matched as one (shadow.compiled.compare)
+    # a compiled graph's call and the calls of the other run it stands for are matched as one (shadow.compiled.matching)
     matched = match_calls(a.records, b.records, _token, align)
     graphs: tuple[GraphChange, ...] = ()
     covered: frozenset[str] = frozenset()  # ops whose every call a matched graph's call is or stands for

@@ -2,6 +2,7 @@
 
     shadow run [OPTIONS] SCRIPT [ARGS...]   run a script unchanged under ShadowMode, write shadow-report.json
     shadow show REPORT                      the tables, their legend and the verdict
+    shadow html REPORT -o FILE              the report as one self-contained HTML page
     shadow compare A B                      which ops and modules got worse in B than in A
     shadow demo | doctor                    a small model's step; the device backends
     shadow --version

@@ -17,7 +17,7 @@ from mpmath.libmp import finf, fnan, fninf, from_float, mpf_abs, mpf_sub, round_
 from ..errors import NoReference
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Exact, reference_for, to_float64, working_precision
-from ..references._table import READ_WHOLE
+from ..references import READ_WHOLE
 from ..savedform import COUNT, FIGURE, TEXT, Fields, Flag
 from ..scratch import copy
 
