@@ -8,7 +8,7 @@ import os
 import shutil
 import signal
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ReportFormatError
 from ..report import Report, load_report
@@ -18,24 +18,23 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")  # what stops `run`: Ctrl-C, a ti
 SIGNAL_NUMBERS = {getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)}
 
 
-def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
-    return n
+def _whole_number(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {n}")
+        return n
+
+    return parse
 
 
-def count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
-    return n
+positive_int = _whole_number(1)
+count = _whole_number(0)
 
 
 def count_or_all(text: str) -> int | None:
