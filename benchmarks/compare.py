@@ -6,7 +6,7 @@ timed test).
 
     python benchmarks/compare.py --sizes 1000 1048576 --no-first-call   # a quick look
 
-"before" is compare with the fused pass switched off (``metrics._fused = None``, as without numba): the Python
+"before" is compare with the fused pass switched off (``metrics.fused = None``, as without numba): the Python
 loop up to 64 elements, numpy up to 16k, then the torch passes. "fused" is compare as shipped. Each figure is
 the best of ``--repeat`` rounds of about 20 ms (the mean of the calls in the round), the four ways of one row
 taking turns round by round. The first call's cost
@@ -60,11 +60,11 @@ def _best(fns, repeat: int) -> list[float]:
 
 
 def _before(*args):
-    fused, metrics._fused = metrics._fused, None
+    fused, metrics.fused = metrics.fused, None
     try:
         return metrics.compare(*args)
     finally:
-        metrics._fused = fused
+        metrics.fused = fused
 
 
 def _fmt(seconds: float) -> str:

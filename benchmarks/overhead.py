@@ -43,7 +43,7 @@ from torch.utils.module_tracker import ModuleTracker
 from shadow import ShadowMode
 from shadow.metrics import precision_bits
 from shadow.options import Options
-from shadow.report import _GC_UNTRACK
+from shadow.records import GC_UNTRACK
 from shadow.spot import EVERY_CALL_FIRST
 
 
@@ -439,9 +439,9 @@ class _LeanDrift(TorchDispatchMode):
             self.pending = None if backward else ((weakref.ref(out),), site)  # shadow binds it at the next op
             figures = [max_abs, math.sqrt(d2), math.sqrt(d2 / r2) if r2 else 0.0, max_ulp, nonfinite, max_abs == 0]
             record = [len(self.records), func.__name__, module, site, figures]
-            if _GC_UNTRACK is not None:
+            if GC_UNTRACK is not None:
                 for o in (record, figures):
-                    _GC_UNTRACK(o)
+                    GC_UNTRACK(o)
             self.records.append(record)
             cell = self.cells.setdefault((record[1], module, site, backward), [0, 0.0])
             cell[0] += 1

@@ -7,7 +7,7 @@ Each configuration (drift only; the default ShadowMode()) runs twice in one proc
 (``max_records=None``, the default) and keeping none (``max_records=0``: the aggregates only). A kept record is
 two to four objects (the Record, its ErrorStats, its BudgetInfo). Tracked by the garbage collector, as they pile
 up they set off full collections, each a walk over every object in the process, torch's included; the report
-takes them out of the collector's lists (``shadow.report._untrack``), and this measures what keeping them still
+takes them out of the collector's lists (``shadow.records.untrack``), and this measures what keeping them still
 costs. Printed: each round's time per call in us, their mean, and the mean's excess over ``max_records=0``.
 """
 

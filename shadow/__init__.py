@@ -18,14 +18,15 @@ __version__ = "0.1.0"
 
 _PUBLIC = {  # name -> the module that defines it
     "ShadowMode": "modes",
-    "Report": "report", "Aggregate": "report", "Coverage": "report", "load_report": "report",
-    "Record": "records", "BudgetInfo": "records", "Kind": "records", "Phase": "records",
+    "Report": "report", "load_report": "report",
+    "Record": "records", "BudgetInfo": "records", "Kind": "records", "Phase": "records", "Aggregate": "records",
+    "Coverage": "records",
     "ErrorStats": "metrics",
     "SpotStats": "spot",
     "ShadowOptionError": "errors", "ReportFormatError": "errors", "ShadowWarning": "errors",
     "attribute": "attribution.share", "AttributionResult": "attribution.share", "Share": "attribution.share",
     "merge_reports": "distributed",
-    "audit": "precision", "AuditReport": "precision", "AuditRow": "precision", "Plan": "precision.plan",
+    "audit": "precision", "AuditReport": "precision", "AuditRow": "precision", "Plan": "precision.lowering",
 }
 __all__ = list(_PUBLIC)
 

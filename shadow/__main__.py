@@ -1,4 +1,4 @@
-"""``python -m shadow``: the command line (see shadow/cli.py)."""
+"""``python -m shadow``: the command line (see shadow/cli/)."""
 
 from .cli import main
 

@@ -46,7 +46,7 @@ _INF = np.inf
 
 
 @intrinsic
-def _pointer(typingctx, address):
+def pointer(typingctx, address):
     """An address as a pointer, for numba.carray: tensors reach the kernel as data_ptr() (about 0.1 us)
     rather than as numpy arrays (np.from_dlpack: about 3 us each, more than a 1k-element pass)."""
     if not isinstance(address, types.Integer):
@@ -300,17 +300,17 @@ def _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound, othe
     of the other operand. The bound is an array even where there is none (then empty), and so is the other
     operand (then the bound again): an optional array inside a parallel loop was sometimes read as None by
     numba's worker threads (a budget use of 0 where the serial pass found 2**25)."""
-    y = numba.carray(_pointer(y_address), n, y_like.dtype)
+    y = numba.carray(pointer(y_address), n, y_like.dtype)
     r, bits = _reference(r_address, n)
-    bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
-    other = numba.carray(_pointer(other_address), n_other, np.float64)
+    bound = numba.carray(pointer(bound_address), n_bound, np.float64)
+    other = numba.carray(pointer(other_address), n_other, np.float64)
     return y, r, bits, bound, 0 if n_bound == 1 else 1, other, 0 if n_other == 1 else 1
 
 
 @njit
 def _reference(address, n):
     """A float64 reference's view of its memory, as values and as their bits."""
-    return numba.carray(_pointer(address), n, np.float64), numba.carray(_pointer(address), n, np.int64)
+    return numba.carray(pointer(address), n, np.float64), numba.carray(pointer(address), n, np.int64)
 
 
 @njit
@@ -402,7 +402,7 @@ def _spacing_chunk(bits, out, tiny, scale, start, stop):
 @njit
 def _spacing_arrays(r_address, out_address, n):
     """The spacing's views of the tensors' memory: r's bits, and the result."""
-    return numba.carray(_pointer(r_address), n, np.int64), numba.carray(_pointer(out_address), n, np.float64)
+    return numba.carray(pointer(r_address), n, np.int64), numba.carray(pointer(out_address), n, np.float64)
 
 
 def _serial_spacing(r_address, out_address, n, tiny, scale):
@@ -417,143 +417,33 @@ def _parallel_spacing(r_address, out_address, n, tiny, scale):
         _spacing_chunk(bits, out, tiny, scale, c * CHUNK, min(n, (c + 1) * CHUNK))
 
 
-@njit(error_model="numpy")
-def _largest_chunk(bound, step, r, start, stop, out):
-    """The first position of the largest ``bound[i * step] / |r[i]|`` in [start, stop) and its value into
-    ``out`` (NaN never the largest; position -1 where every quotient is NaN)."""
-    best, at = -_INF, -1
-    for i in range(start, stop):
-        q = bound[i * step] / abs(r[i])
-        if q > best:
-            best, at = q, i
-    out[0], out[1] = best, at
+class Passes:
+    """Kernels as (serial, parallel) pairs of plain functions, compiled at their first call for each input type:
+    two functions each, not one jitted twice, since numba's cache tells entries apart by function, not by the
+    parallel flag. ``run(i, args, n)`` runs pair ``i``, the parallel one above PARALLEL elements."""
+
+    def __init__(self, *pairs: tuple) -> None:
+        self.pairs = pairs
+        self.compiled = self._compile(True)
+
+    def _compile(self, cache: bool) -> list[tuple]:
+        try:
+            return [(njit(cache=cache)(serial), njit(cache=cache, parallel=True)(parallel))
+                    for serial, parallel in self.pairs]
+        except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
+            return self._compile(False)
+
+    def run(self, which: int, args: tuple, n: int):
+        try:
+            return _call(*self.compiled[which], args, n)
+        except OSError:  # numba could not write its cache (disk full, directory gone since import): compile without
+            self.compiled = self._compile(False)
+            return _call(*self.compiled[which], args, n)
 
 
-@njit
-def _largest_of(parts):
-    """The chunks' winners in chunk order: the first of equal values, whichever thread found which."""
-    best, at = -_INF, -1.0
-    for c in range(parts.shape[0]):
-        if parts[c, 1] >= 0 and (at < 0 or parts[c, 0] > best):
-            best, at = parts[c, 0], parts[c, 1]
-    return int(at)
-
-
-@njit
-def _largest_arrays(bound_address, n_bound, r_address, n):
-    """The largest quotient's views of the tensors' memory, the bound's step, and the chunks' partials."""
-    bound = numba.carray(_pointer(bound_address), n_bound, np.float64)
-    r = numba.carray(_pointer(r_address), n, np.float64)
-    return bound, 0 if n_bound == 1 else 1, r, np.empty(((n + CHUNK - 1) // CHUNK, 2))
-
-
-def _serial_largest(bound_address, n_bound, r_address, n):
-    bound, step, r, parts = _largest_arrays(bound_address, n_bound, r_address, n)
-    for c in range(parts.shape[0]):
-        _largest_chunk(bound, step, r, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
-    return _largest_of(parts)
-
-
-def _parallel_largest(bound_address, n_bound, r_address, n):
-    bound, step, r, parts = _largest_arrays(bound_address, n_bound, r_address, n)
-    for c in prange(parts.shape[0]):
-        _largest_chunk(bound, step, r, c * CHUNK, min(n, (c + 1) * CHUNK), parts[c])
-    return _largest_of(parts)
-
-
-@njit
-def _magnitude_chunk(a, out, scale, offset, start, stop):
-    """Elements [start, stop) of |a| * scale + offset: a loop the compiler vectorizes; every operation rounds
-    once as torch's does, none is fused into another."""
-    a, out = a[start:stop], out[start:stop]
-    for i in range(out.shape[0]):
-        out[i] = abs(a[i]) * scale + offset
-
-
-@njit
-def _magnitude_arrays(a_address, out_address, n):
-    """The magnitude's views of the tensors' memory."""
-    return numba.carray(_pointer(a_address), n, np.float64), numba.carray(_pointer(out_address), n, np.float64)
-
-
-def _serial_magnitude(a_address, out_address, n, scale, offset):
-    a, out = _magnitude_arrays(a_address, out_address, n)
-    for c in range((n + CHUNK - 1) // CHUNK):
-        _magnitude_chunk(a, out, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
-
-
-def _parallel_magnitude(a_address, out_address, n, scale, offset):
-    a, out = _magnitude_arrays(a_address, out_address, n)
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        _magnitude_chunk(a, out, scale, offset, c * CHUNK, min(n, (c + 1) * CHUNK))
-
-
-ROW_BLOCKS = 16  # row blocks of the sums of squares: fixed, so that their order never depends on the thread count
-
-
-@njit(error_model="numpy", fastmath={"reassoc"})
-def _squares_block(a, rows, part, start, stop):
-    """Rows [start, stop) of the matrix ``a``: each row's sum of squares into ``rows``, and the sums of their
-    squares down each column into ``part``. One read; the row sums split over the vector lanes."""
-    part[:] = 0.0
-    for i in range(start, stop):
-        s = 0.0
-        for k in range(a.shape[1]):
-            v = a[i, k] * a[i, k]
-            s += v
-            part[k] += v
-        rows[i] = s
-
-
-@njit
-def _squares_arrays(a_address, m, k, rows_address, cols_address):
-    """The sums of squares' views of the tensors' memory, the row block's length, and the blocks' partials."""
-    return (numba.carray(_pointer(a_address), (m, k), np.float64), numba.carray(_pointer(rows_address), m, np.float64),
-            numba.carray(_pointer(cols_address), k, np.float64), (m + ROW_BLOCKS - 1) // ROW_BLOCKS,
-            np.empty((ROW_BLOCKS, k)))
-
-
-@njit
-def _squares_combine(parts, cols):
-    """The blocks' column sums in block order: the same sums whichever thread computed which block."""
-    cols[:] = parts[0]
-    for b in range(1, parts.shape[0]):
-        for k in range(cols.shape[0]):
-            cols[k] += parts[b, k]
-
-
-def _serial_squares(a_address, m, k, rows_address, cols_address):
-    a, rows, cols, step, parts = _squares_arrays(a_address, m, k, rows_address, cols_address)
-    for b in range(ROW_BLOCKS):
-        _squares_block(a, rows, parts[b], min(m, b * step), min(m, (b + 1) * step))
-    _squares_combine(parts, cols)
-
-
-def _parallel_squares(a_address, m, k, rows_address, cols_address):
-    a, rows, cols, step, parts = _squares_arrays(a_address, m, k, rows_address, cols_address)
-    for b in prange(ROW_BLOCKS):
-        _squares_block(a, rows, parts[b], min(m, b * step), min(m, (b + 1) * step))
-    _squares_combine(parts, cols)
-
-
-def _compile(cache: bool) -> tuple:
-    """The comparison's serial and parallel passes, then the spacing's, the largest quotient's, the
-    magnitude's, the sums of squares' and the paired comparison's, compiled at their first call for each input
-    type. Two functions each, not one jitted twice: numba's cache tells entries apart by function, not by the
-    parallel flag."""
-    try:
-        return (njit(cache=cache)(_serial_pass), njit(cache=cache, parallel=True)(_parallel_pass),
-                njit(cache=cache)(_serial_spacing), njit(cache=cache, parallel=True)(_parallel_spacing),
-                njit(cache=cache)(_serial_largest), njit(cache=cache, parallel=True)(_parallel_largest),
-                njit(cache=cache)(_serial_magnitude), njit(cache=cache, parallel=True)(_parallel_magnitude),
-                njit(cache=cache)(_serial_squares), njit(cache=cache, parallel=True)(_parallel_squares),
-                njit(cache=cache)(_serial_pair), njit(cache=cache, parallel=True)(_parallel_pair))
-    except RuntimeError:  # numba: "no locator available": no writable cache directory; compile each process
-        return _compile(False)
-
-
-_passes = _compile(True)
 _parallel_lock = threading.Lock()  # one parallel pass at a time (numba's workqueue layer is not thread-safe)
+_COMPARISON, _SPACING, _PAIR = range(3)  # the passes of _passes
+_passes = Passes((_serial_pass, _parallel_pass), (_serial_spacing, _parallel_spacing), (_serial_pair, _parallel_pair))
 
 
 def _decode_table(dtype: torch.dtype) -> np.ndarray:
@@ -598,8 +488,9 @@ def figures(y: torch.Tensor, r: torch.Tensor, bound: torch.Tensor | None, tiny: 
     r = _on_cpu(r, torch.float64)
     n = r.numel()
     bound, n_bound, other, n_other = _operands(r, bound, other)
-    return _run(0, (y.data_ptr(), read[0], read[1], r.data_ptr(), bound.data_ptr(), n, n_bound, _exponent_field(tiny),
-                    float(scale), float(alpha), TERMS[op], other.data_ptr(), n_other), n).tolist()
+    return _passes.run(_COMPARISON, (y.data_ptr(), read[0], read[1], r.data_ptr(), bound.data_ptr(), n, n_bound,
+                                     _exponent_field(tiny), float(scale), float(alpha), TERMS[op], other.data_ptr(),
+                                     n_other), n).tolist()
 
 
 def pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor | None, tiny: float,
@@ -611,7 +502,7 @@ def pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor
     r, lo = _on_cpu(r, torch.float64), _on_cpu(lo, torch.float64)
     n = r.numel()
     bound, n_bound, other, n_other = _operands(lo, bound, other)
-    local, drift = _run(10, (y.data_ptr(), read[0], read[1], r.data_ptr(), lo.data_ptr(), bound.data_ptr(), n,
+    local, drift = _passes.run(_PAIR, (y.data_ptr(), read[0], read[1], r.data_ptr(), lo.data_ptr(), bound.data_ptr(), n,
                              n_bound, _exponent_field(tiny), float(scale), float(alpha), TERMS[op], other.data_ptr(),
                              n_other), n)
     return drift.tolist(), local.tolist()
@@ -660,56 +551,8 @@ def spacing(r: torch.Tensor, out: torch.Tensor | None, tiny: float, scale: float
     if r.numel() <= SMALL or not readable(r) or (out is not None and not readable(out)):
         return None
     out = torch.empty_like(r) if out is None else out
-    _run(2, (r.data_ptr(), out.data_ptr(), r.numel(), tiny, scale), r.numel())
+    _passes.run(_SPACING, (r.data_ptr(), out.data_ptr(), r.numel(), tiny, scale), r.numel())
     return out
-
-
-def largest_ratio(bound: torch.Tensor, r: torch.Tensor) -> int | None:
-    """The first flat position of the largest bound / |r| (NaN never the largest; -1 if every quotient is
-    NaN): one read of each, where the torch path writes |r|, then the quotient, then reads it for argmax.
-    None where the pass cannot read them (``readable``), or ``bound`` has neither r's shape nor one element."""
-    if not (readable(r) and readable(bound) and (bound.shape == r.shape or bound.numel() == 1)):
-        return None
-    return _run(4, (bound.data_ptr(), bound.numel(), r.data_ptr(), r.numel()), r.numel())
-
-
-def magnitude(a: torch.Tensor, out: torch.Tensor, scale: float = 1.0, offset: float = 0.0) -> bool:
-    """|a| * scale + offset into ``out`` in one pass, where torch makes three: the same values, bit for bit.
-    False, and ``out`` untouched, where the pass cannot read the tensors (``readable``, both of one size) or they
-    have at most SMALL elements."""
-    n = out.numel()
-    if n <= SMALL or not all(readable(t) and t.numel() == n for t in (a, out)):
-        return False
-    _run(6, (a.data_ptr(), out.data_ptr(), n, scale, offset), n)
-    return True
-
-
-def squares(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The squares of the matrix ``t`` summed along its rows and down its columns, as t.square().sum(-1,
-    keepdim=True) and t.square().sum(-2, keepdim=True) to rounding: one read, where torch reads t once per sum
-    and squares a strided t into a temporary first (a matmul's bound reads each operand both ways). None where
-    the pass cannot read t (2-D, ``readable`` as it is or transposed) or t has at most SMALL elements."""
-    if t.dim() != 2 or t.numel() <= SMALL:
-        return None
-    by_rows = readable(t)
-    if not by_rows and not readable(t.T):
-        return None
-    a = t if by_rows else t.T  # a contiguous matrix: its row sums are t's along rows where by_rows, else down
-    rows, cols = torch.empty(a.shape[0], dtype=torch.float64), torch.empty(a.shape[1], dtype=torch.float64)
-    _run(8, (a.data_ptr(), a.shape[0], a.shape[1], rows.data_ptr(), cols.data_ptr()), a.numel())
-    along, down = (rows, cols) if by_rows else (cols, rows)
-    return along.unsqueeze(1), down.unsqueeze(0)
-
-
-def _run(which: int, args: tuple, n: int):
-    """Pass ``which`` (0: the comparison, 2: the spacing, 4: the largest quotient, 6: the magnitude, 8: the
-    sums of squares, 10: the paired comparison) on ``args``: the parallel one above PARALLEL elements."""
-    global _passes
-    try:
-        return _call(_passes[which], _passes[which + 1], args, n)
-    except OSError:  # numba could not write its cache (disk full, directory gone since import): compile without
-        _passes = _compile(False)
-        return _call(_passes[which], _passes[which + 1], args, n)
 
 
 def _call(serial, parallel, args: tuple, n: int):

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from typing import Iterable, Mapping
 
-from .report import RANK_FIELDS, Aggregate, Report
+from .records import RANK_FIELDS, Aggregate
+from .report import Report
+from .reportdata import ReportData
 
 _COUNTS = ("calls", "internal_errors", "passthrough", "tensors_adopted", "unobserved_writes", "reinterpreted",
            "out_of_scope")
 
 
-def merge_reports(reports: Iterable[Report]) -> Report:
+def merge_reports(reports: Iterable[ReportData]) -> Report:
     """One report from the per-rank reports of a distributed run: aggregates (by op, module, call site, phase)
     summed with ``Aggregate.merge``, coverage counts added, records kept rank after rank. Each report's rank is
     its ``meta["rank"]`` (set when shadow sees a collective), else its position in ``reports``. The merged
@@ -31,17 +33,19 @@ def merge_reports(reports: Iterable[Report]) -> Report:
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"merge_reports: ranks {ranks} repeat; expected one report per rank")
     limits = [r.max_records for r in reports]
+    cells: dict[tuple[str, str, str, str], Aggregate] = {}
+    for rep in reports:
+        for key, agg in rep.cells.items():
+            mine = cells.get(key)
+            if mine is None:
+                mine = cells[key] = Aggregate()
+            mine.merge(agg)
     out = Report(max_records=None if None in limits else sum(limits),
                  meta={**reports[0].meta, "ranks": ranks, "rank": None,
-                       "world_size": reports[0].meta.get("world_size", len(reports))})
+                       "world_size": reports[0].meta.get("world_size", len(reports))}, cells=cells)
     record_ranks: list[int] = []
     cov = out.coverage
     for rank, rep in zip(ranks, reports):
-        for key, agg in rep._cells.items():
-            mine = out._cells.get(key)
-            if mine is None:
-                mine = out._cells[key] = Aggregate()
-            mine.merge(agg)
         out.per_rank[rank] = _figures(rep)
         out.records.extend(rep.records)
         record_ranks.extend([rank] * len(rep.records))
@@ -58,19 +62,16 @@ def merge_reports(reports: Iterable[Report]) -> Report:
         for name, n in c.compiled.items():
             cov.compiled[name] = cov.compiled.get(name, 0) + n
     out.meta["record_ranks"] = record_ranks
-    out._views.clear()
     return out
 
 
-def _figures(rep: Report) -> Report:
+def _figures(rep: ReportData) -> ReportData:
     """What a merged report keeps of one rank: its cells, with only the figures a table compares."""
-    part = Report()
-    part._cells = {key: Aggregate(**{name: getattr(agg, name) for name in RANK_FIELDS})
-                   for key, agg in rep._cells.items()}
-    return part
+    return ReportData(cells={key: Aggregate(**{name: getattr(agg, name) for name in RANK_FIELDS})
+                             for key, agg in rep.cells.items()})
 
 
-def records_of_rank(report: Report, rank: int) -> list:
+def records_of_rank(report: ReportData, rank: int) -> list:
     """The records of one rank in a merged report."""
     return [rec for rec, r in zip(report.records, report.meta.get("record_ranks", [])) if r == rank]
 

@@ -1,6 +1,6 @@
-"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``): the verdict and the plot that shows
-it (its first screen), the run's meta, coverage, where NaN/Inf is born and where it goes, the calls over budget, the
-per-op and per-module tables, and the other plots (``shadow.plots``).
+"""A report as one self-contained HTML page (``shadow html REPORT -o FILE``: ``shadow.cli.html``): the verdict and
+the plot that shows it (its first screen), the run's meta, coverage, where NaN/Inf is born and where it goes, the
+calls over budget, the per-op and per-module tables, and the other plots (``shadow.plots``).
 
 Everything is inline (styles, a small table-sorting script, plots as base64 PNG) and the page's Content Security
 Policy forbids loading anything else, so it opens offline and can be mailed or attached to a bug report as one
@@ -12,18 +12,16 @@ file. Every string from the report is escaped.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import dataclasses
 import math
-import os
 from html import escape
 from typing import Callable, Sequence
 
 from . import plots
-from .cli import _fail, _unwritable, command
-from .errors import ReportFormatError
-from .report import LEGEND, Aggregate, Report, _budget_cell, _floating, _fmt, _short_dtype, _ulp_cell, load_report
+from .records import Aggregate
+from .reportdata import ReportData
+from .tables import LEGEND, budget_cell, drift_cell, floating, number, short_dtype, ulp_cell
 from .verdict import Verdict, conclude
 
 MAX_ROWS = 500  # rows of the over-budget table; the rest are counted (a long run can have thousands)
@@ -98,7 +96,7 @@ class _Cell:
         return f'<td class="num" data-v="{_sort_key(self.sort)}">{escape(self.text)}</td>'
 
 
-def render(report: Report, *, title: str = "shadow report") -> str:
+def render(report: ReportData, *, title: str = "shadow report") -> str:
     """The report as one HTML page (a str; write it with ``encoding="utf-8"``). Plots need matplotlib; without it
     the page says how to install it and shows everything else.
 
@@ -129,7 +127,7 @@ def render(report: Report, *, title: str = "shadow report") -> str:
             + "\n".join(body) + f"\n<script>{_SCRIPT}</script>\n</body></html>\n")
 
 
-def _meta(report: Report) -> str:
+def _meta(report: ReportData) -> str:
     """The run's meta: versions and other scalars in a table, each mapping (options, numerics) in its own block."""
     scalars = {k: v for k, v in report.meta.items() if not isinstance(v, dict)}
     parts = [_key_values(scalars)] if scalars else []
@@ -185,7 +183,7 @@ def _nonfinite(verdict: Verdict) -> str:
 _OVER_COLUMNS = ("#", "op", "module", "phase", "call site", "dtype", "shape", "budget used", "effective bits")
 
 
-def _over_budget(report: Report) -> str:
+def _over_budget(report: ReportData) -> str:
     records = report.records_over_budget()
     head = "<h2>Calls over budget</h2>\n"
     if not records:
@@ -194,8 +192,8 @@ def _over_budget(report: Report) -> str:
     for rec in records[:MAX_ROWS]:
         bits = rec.local.effective_bits if rec.local is not None else None
         cells = [_Cell(str(rec.index), rec.index), _Cell(rec.op), _Cell(rec.module or "(none)"), _Cell(str(rec.phase)),
-                 _Cell(rec.callsite or "-"), _Cell(_short_dtype(rec.dtype) or "-"),
-                 _Cell("x".join(map(str, rec.shape)) or "scalar"), _Cell(_fmt(rec.budget.used), rec.budget.used),
+                 _Cell(rec.callsite or "-"), _Cell(short_dtype(rec.dtype) or "-"),
+                 _Cell("x".join(map(str, rec.shape)) or "scalar"), _Cell(number(rec.budget.used), rec.budget.used),
                  _Cell("-", -1.0) if bits is None or math.isnan(bits) else _Cell(f"{bits:.1f}", bits)]
         rows.append(cells)
     more = (f'<p class="note">{len(records) - MAX_ROWS} more calls over budget not listed.</p>'
@@ -211,7 +209,7 @@ def _aggregates(table: dict[str, Aggregate], by: str) -> str:
         return "<p>No calls.</p>"
     rows = sorted(table.items(), key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero,
                                                  -kv[1].max_drift_rel, kv[0]))
-    mixed = len({d for a in table.values() for d in a.dtypes if _floating(d)}) > 1
+    mixed = len({d for a in table.values() for d in a.dtypes if floating(d)}) > 1
     columns = _AGGREGATE_COLUMNS if mixed else [c for c in _AGGREGATE_COLUMNS if c[0] != "dtype"]
     body = [[_Cell(key or "(none)")] + [cell(a) for _, cell in columns] for key, a in rows]
     return _table([by] + [name for name, _ in columns], body, [a.over_budget_calls > 0 for _, a in rows])
@@ -225,12 +223,12 @@ def _legend() -> str:
 
 _AGGREGATE_COLUMNS: list[tuple[str, Callable[[Aggregate], _Cell]]] = [
     ("calls", lambda a: _Cell(str(a.calls), a.calls)),
-    ("dtype", lambda a: _Cell("/".join(_short_dtype(d) for d in a.dtypes if _floating(d)) or "-")),
-    ("local ulp", lambda a: _Cell(_ulp_cell(a), a.max_local_ulp_nonzero)),
-    ("budget", lambda a: _Cell(_budget_cell(a), a.max_budget_used if a.budgeted_calls else -1.0)),
+    ("dtype", lambda a: _Cell("/".join(short_dtype(d) for d in a.dtypes if floating(d)) or "-")),
+    ("local ulp", lambda a: _Cell(ulp_cell(a), a.max_local_ulp_nonzero)),
+    ("budget", lambda a: _Cell(budget_cell(a), a.max_budget_used if a.budgeted_calls else -1.0)),
     ("bits", lambda a: _Cell("-", -1.0) if math.isinf(a.min_effective_bits)
      else _Cell(f"{a.min_effective_bits:.1f}", a.min_effective_bits)),
-    ("drift rel", lambda a: _Cell(_fmt(a.max_drift_rel), a.max_drift_rel)),
+    ("drift rel", lambda a: _Cell(drift_cell(a), a.max_drift_rel)),
     ("flips", lambda a: _Cell(str(a.flips), a.flips)),
     ("nonfin", lambda a: _Cell(str(a.nonfinite), a.nonfinite)),
     ("unsup", lambda a: _Cell(str(a.kinds.get("unsupported", 0)), a.kinds.get("unsupported", 0))),
@@ -248,7 +246,7 @@ def _table(headers: Sequence[str], rows: list[list[_Cell]], over: list[bool] | N
 
 
 
-def _plots(report: Report, shown: str) -> str:
+def _plots(report: ReportData, shown: str) -> str:
     """Every figure but ``shown``, which the verdict's figure on the first screen is."""
     if not plots.has_matplotlib():
         return f'<p class="note">{escape(plots.NEED_MATPLOTLIB)}</p>'
@@ -256,7 +254,7 @@ def _plots(report: Report, shown: str) -> str:
         f'\n<p class="note">The {escape(shown)} plot is at the top, under the verdict.</p>'
 
 
-def _figure(report: Report, name: str, css: str = "") -> str:
+def _figure(report: ReportData, name: str, css: str = "") -> str:
     data = base64.b64encode(plots.png(plots.FIGURES[name](report))).decode("ascii")
     css = f' class="{css}"' if css else ""
     return (f'<figure id="plot-{name}"{css}><img alt="{escape(name)} plot" '
@@ -268,40 +266,3 @@ def _sort_key(x: float) -> str:
     if math.isnan(x):
         return "-1e308"
     return repr(max(min(float(x), 1e308), -1e308))
-
-
-# --- the command ---
-def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("report", metavar="REPORT", help="a report saved as JSON (shadow run -o PATH, Report.save)")
-    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the HTML file to write")
-    p.add_argument("--png", metavar="DIR", default=None,
-                   help="also write the plots as PNG files into DIR (created if missing)")
-
-
-@command("html", "write a self-contained HTML report", _arguments)
-def _html(args: argparse.Namespace) -> int:
-    try:
-        report = load_report(args.report)
-    except FileNotFoundError:
-        return _fail(f"html: {args.report}: no such file; give a report saved by `shadow run` or Report.save")
-    except OSError as exc:
-        return _fail(f"html: {args.report}: cannot be read ({exc.strerror}); give a report file you can read")
-    except ReportFormatError as exc:
-        return _fail(f"html: {exc}; give a report saved by `shadow run` or Report.save")
-    if problem := _unwritable(args.output):
-        return _fail(f"html: -o {args.output}: {problem}; give a file path in a writable folder")
-    if args.png is not None:
-        if os.path.exists(args.png) and not os.path.isdir(args.png):
-            return _fail(f"html: --png {args.png}: is a file; give a directory (created if missing)")
-        try:
-            plots.require_matplotlib()
-        except ImportError as exc:
-            return _fail(f"html: --png: {exc}")
-    page = render(report)
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(page)
-    print(f"wrote {args.output}")
-    if args.png is not None:
-        for path in plots.write_pngs(report, args.png):
-            print(f"wrote {path}")
-    return 0

@@ -6,19 +6,21 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
+from .savedform import COUNT, FIGURE, Fields, Maybe
 from .scratch import copy
 
-# The fused comparison pass needs numba; without it (no wheel for the platform, a broken install) compare
-# takes the numpy and torch paths below: slower, the same figures. FUSED_UNAVAILABLE says why.
+# The fused comparison pass and the budgets' one-pass kernels need numba; without it (no wheel for the platform, a
+# broken install) compare and the budgets take the numpy and torch paths: slower, the same figures.
+# FUSED_UNAVAILABLE says why.
 try:
-    from . import _fused
+    from . import _fused as fused, _fused_bounds as fused_bounds
 except Exception as exc:  # numba raises ImportError; a broken llvmlite, others
-    _fused = None
+    fused = fused_bounds = None
     FUSED_UNAVAILABLE: str | None = f"{type(exc).__name__}: {exc}"
 else:
     FUSED_UNAVAILABLE = None
@@ -97,10 +99,27 @@ class ErrorStats:
         self.nonfinite_agreed += other.nonfinite_agreed
 
     def to_dict(self) -> dict:
-        """The saved form (``shadow.reportformat.ERROR_STATS``)."""
-        from .reportformat import ERROR_STATS
-
+        """The saved form (``ERROR_STATS``)."""
         return ERROR_STATS.write(self, "stats")
+
+
+def merged(stats: Iterable[ErrorStats | None]) -> ErrorStats | None:
+    """Merge the stats of several outputs into one (None if there are none). The stats of a call with one
+    output are returned as they are, not copied."""
+    present = [s for s in stats if s is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    out = ErrorStats()
+    for s in present:
+        out.merge(s)
+    return out
+
+
+ERROR_STATS = Fields("ErrorStats", {  # the saved form (shadow.reportformat)
+    "max_abs": FIGURE, "max_ulp": FIGURE, "rel_norm": FIGURE, "n": COUNT, "nonfinite_device": COUNT,
+    "nonfinite_reference": COUNT, "nonfinite_mismatch": COUNT, "nonfinite_agreed": COUNT, "norm": FIGURE,
+    "budget_used": Maybe(FIGURE), "effective_bits": Maybe(FIGURE), "zero_reference": COUNT,
+    "max_ulp_nonzero": Maybe(FIGURE)}, ErrorStats)
 
 
 @functools.cache  # finfo and log2 cost more than the figures a tiny comparison computes from it
@@ -126,9 +145,9 @@ def spacing(r: torch.Tensor, dtype: torch.dtype, times: float = 1.0, out: torch.
     if r.is_complex():
         r = r.abs()
     tiny, scale = torch.finfo(dtype).tiny, times * 2.0 ** -precision_bits(dtype)
-    fused = None if _fused is None else _fused.spacing(r, out, tiny, scale)  # one pass, the same figures
-    if fused is not None:
-        return fused
+    spaced = None if fused is None else fused.spacing(r, out, tiny, scale)  # one pass, the same figures
+    if spaced is not None:
+        return spaced
     floor = _pow2_floor(r, torch) if out is None else \
         torch.bitwise_and(r.view(torch.int64), _EXP_BITS, out=out.view(torch.int64)).view(torch.float64)
     return floor.clamp_min_(tiny).mul_(scale)
@@ -203,7 +222,7 @@ def compare(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: Any = N
     on_device = _off_cpu(r)  # a reference where the shadows live off the CPU (shadow_device=)
     # complex results: numpy (the modulus is a pass of its own; rare)
     # a formula is formed where the fused pass reads r: the loop would need its tensor first, three passes of torch
-    if (n > _LOOP_FUSED or not (bound is None or isinstance(bound, torch.Tensor))) and _fused is not None \
+    if (n > _LOOP_FUSED or not (bound is None or isinstance(bound, torch.Tensor))) and fused is not None \
             and not complex_ and not on_device:
         return _compare_fused(y, r, dtype, n, bound)
     if bound is not None and not isinstance(bound, torch.Tensor):  # a formula: its tensor
@@ -237,11 +256,11 @@ def compare_pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, dtype: torc
         yl = _flat_list(y)
         return _compare_loop(y, yl, r, dtype, n, None), _compare_loop(y, yl, lo, dtype, n, bound)
     # the fused pass's condition in compare (real results on the CPU, above the loop's size or with a formula)
-    if _fused is None or n == 0 or lo.shape != r.shape or (n <= _LOOP_FUSED and isinstance(bound, torch.Tensor)) \
+    if fused is None or n == 0 or lo.shape != r.shape or (n <= _LOOP_FUSED and isinstance(bound, torch.Tensor)) \
             or _off_cpu(r) or _off_cpu(lo) or y.is_complex() or r.is_complex() or lo.is_complex():
         return compare(y, r, dtype), compare(y, lo, dtype, bound)
     b, scale, alpha, op, other = _pass_bound(bound, lo, dtype)
-    drift, local = _fused.pair(y, r, lo, b, _consts(dtype)[0], scale, alpha, op, other)
+    drift, local = fused.pair(y, r, lo, b, _consts(dtype)[0], scale, alpha, op, other)
     return _fused_stats(drift, n, False, dtype), _fused_stats(local, n, bound is not None, dtype)
 
 
@@ -313,7 +332,7 @@ def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int,
     """Real results above the tiny size: every figure from one read of y and r (shadow._fused), where the
     paths below read them nine times."""
     b, scale, alpha, op, other = _pass_bound(bound, r, dtype)
-    return _fused_stats(_fused.figures(y, r, b, _consts(dtype)[0], scale, alpha, op, other), n, bound is not None,
+    return _fused_stats(fused.figures(y, r, b, _consts(dtype)[0], scale, alpha, op, other), n, bound is not None,
                         dtype)
 
 
@@ -332,18 +351,18 @@ def _fused_stats(f: list[float], n: int, bounded: bool, dtype: torch.dtype) -> E
     """The ErrorStats of the fused pass's figures ``f`` (``bounded``: with a budget's bound)."""
     scale = _consts(dtype)[1]
     stats = ErrorStats(n=n, budget_used=0.0 if bounded else None,
-                       nonfinite_device=int(f[_fused.DEVICE]), nonfinite_reference=int(f[_fused.REFERENCE]),
-                       nonfinite_mismatch=int(f[_fused.MISMATCH]), nonfinite_agreed=int(f[_fused.AGREED]))
-    m = f[_fused.MAX_ABS]
+                       nonfinite_device=int(f[fused.DEVICE]), nonfinite_reference=int(f[fused.REFERENCE]),
+                       nonfinite_mismatch=int(f[fused.MISMATCH]), nonfinite_agreed=int(f[fused.AGREED]))
+    m = f[fused.MAX_ABS]
     if m == 0.0:
         return stats
     if bounded:
-        stats.budget_used = f[_fused.BUDGET]
-    _finish(stats, m, math.sqrt(f[_fused.SUM_D2]), math.sqrt(f[_fused.SUM_R2]), f[_fused.MAX_ULP], dtype)
+        stats.budget_used = f[fused.BUDGET]
+    _finish(stats, m, math.sqrt(f[fused.SUM_D2]), math.sqrt(f[fused.SUM_R2]), f[fused.MAX_ULP], dtype)
     # zero references reported under the same condition as compare's other paths check for them
-    if stats.max_ulp >= scale and f[_fused.ZERO]:
-        stats.zero_reference = int(f[_fused.ZERO])
-        stats.max_ulp_nonzero = f[_fused.MAX_ULP_NONZERO] * scale
+    if stats.max_ulp >= scale and f[fused.ZERO]:
+        stats.zero_reference = int(f[fused.ZERO])
+        stats.max_ulp_nonzero = f[fused.MAX_ULP_NONZERO] * scale
     return stats
 
 

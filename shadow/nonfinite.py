@@ -31,11 +31,10 @@ from typing import TYPE_CHECKING
 
 from .opsets import DATA_MOVEMENT
 from .plan import base_name
-from .records import Kind, Phase, Record, op_class
-from .trajectory import loss_candidate
+from .records import Kind, Phase, Record, loss_candidate, op_class
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .reportdata import ReportData
 
 # ops that check gradients for NaN/Inf so that the optimizer step is skipped (GradScaler's): gradients they read are
 # caught there, by base name (shadow.opsets)
@@ -137,7 +136,7 @@ def _targets(records: list[Record], stepped: bool) -> tuple[list[Record], bool]:
     return ([final] if final is not None else []), False
 
 
-def _reaches(report: Report, targets: list[Record], trained: bool) -> tuple[Reach, ...]:
+def _reaches(report: ReportData, targets: list[Record], trained: bool) -> tuple[Reach, ...]:
     found: dict[str, Reach] = {}
     target = next((r for r in targets if holds(r)), None)
     if target is not None:
@@ -163,7 +162,7 @@ def _reaches(report: Report, targets: list[Record], trained: bool) -> tuple[Reac
     return tuple(sorted(found.values(), key=lambda r: (r.record is None, r.record.index if r.record else r.step)))
 
 
-def flow(report: Report) -> Flow:
+def flow(report: ReportData) -> Flow:
     """Where the NaN/Inf of ``report``'s kept calls is born, where it goes, and what absorbs it."""
     records = report.records
     targets, trained = _targets(records, bool(report.trajectory))

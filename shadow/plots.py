@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from .nonfinite import flow
-from .records import Phase, Record, op_class
-from .report import Aggregate, Report, _fmt
+from .records import Aggregate, Phase, Record, op_class
+from .reportdata import ReportData
+from .tables import number
 from .verdict import FORMATS, STORED_BITS, arithmetic, op_classes
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ _OVER = "#c44e52"  # over budget, in every figure
 _WITHIN = "#4c72b0"
 
 
-def drift_figure(report: Report, *, metric: str = "rel_norm") -> Figure:
+def drift_figure(report: ReportData, *, metric: str = "rel_norm") -> Figure:
     """Drift of each kept call (its result against the shadow) along the op sequence, on a log axis: ``metric``
     "rel_norm" or "ulp" (max ulp). Bands mark the forward, backward, optimizer and other phases, the top axis
     names the modules of the longest runs of calls, and rings mark calls whose own error was over budget: where
@@ -84,7 +85,7 @@ def drift_figure(report: Report, *, metric: str = "rel_norm") -> Figure:
     return fig
 
 
-def budget_figure(report: Report, *, top: int = 30) -> Figure:
+def budget_figure(report: ReportData, *, top: int = 30) -> Figure:
     """Budget use per op (``Report.by_op``: the worst call's local error over its a-priori bound), one horizontal
     bar per op held to a rule's budget, worst first, ``top`` at most, on a log axis with the 1.0 line: bars past it
     (red) are kernels less accurate than their dtype allows. Ops with only default budgets are left out: a
@@ -108,7 +109,7 @@ def budget_figure(report: Report, *, top: int = 30) -> Figure:
     ends = [min(max(u, floor), ceiling) for u in used]  # 0 sits at the floor, inf at the ceiling: labels say which
     bars = ax.barh(range(len(shown)), [e - floor for e in ends], left=floor,
                    color=[_OVER if a.over_budget_calls else _WITHIN for _, a in shown])
-    ax.bar_label(bars, labels=[_fmt(u) + (" !" if a.over_budget_calls else "") for u, (_, a) in zip(used, shown)],
+    ax.bar_label(bars, labels=[number(u) + (" !" if a.over_budget_calls else "") for u, (_, a) in zip(used, shown)],
                  padding=3, fontsize=8)
     ax.set_yticks(range(len(shown)), labels=[op for op, _ in shown], fontsize=8)
     ax.invert_yaxis()
@@ -122,7 +123,7 @@ def budget_figure(report: Report, *, top: int = 30) -> Figure:
     return fig
 
 
-def bits_figure(report: Report) -> Figure:
+def bits_figure(report: ReportData) -> Figure:
     """The bits each op class's error reads (``OpClass.effective_bits``, x) against its budget use (y, log), one
     point per op class held to a rule's budget whose results round: red over budget, blue within. Vertical lines
     mark the formats an error may read like (bfloat16 7 bits, float16 and TF32 10, the dtype's own), the
@@ -173,7 +174,7 @@ def bits_figure(report: Report) -> Figure:
     return fig
 
 
-def module_heatmap(report: Report, *, metric: str = "budget", top: int = 40) -> Figure:
+def module_heatmap(report: ReportData, *, metric: str = "budget", top: int = 40) -> Figure:
     """Local error per module (rows, in tree order) and phase (forward, backward, optimizer, other), from
     ``Report.view("module", phase=...)``: ``metric`` "budget" (max budget used, the figure comparable across
     ops) or "ulp" (max local ulp over nonzero references). A parameter's optimizer calls count in its module's
@@ -225,7 +226,7 @@ def module_heatmap(report: Report, *, metric: str = "budget", top: int = 40) -> 
     return fig
 
 
-def trajectory_figure(report: Report) -> Figure:
+def trajectory_figure(report: ReportData) -> Figure:
     """The drift of the loss and of the parameters after each optimizer step (``report.trajectory``), on a log
     axis: whether drift grows, saturates or is washed out by training.
 
@@ -251,7 +252,7 @@ def trajectory_figure(report: Report) -> Figure:
     return fig
 
 
-FIGURES: dict[str, Callable[[Report], Figure]] = {"drift": drift_figure, "budget": budget_figure, "bits": bits_figure,
+FIGURES: dict[str, Callable[[ReportData], Figure]] = {"drift": drift_figure, "budget": budget_figure, "bits": bits_figure,
                                                    "modules": module_heatmap,
                                                    "trajectory": trajectory_figure}  # name -> figure, as written
 
@@ -263,7 +264,7 @@ def png(fig: Figure, *, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
-def write_pngs(report: Report, directory: str | os.PathLike, *, dpi: int = 100) -> list[str]:
+def write_pngs(report: ReportData, directory: str | os.PathLike, *, dpi: int = 100) -> list[str]:
     """Write every figure of ``FIGURES`` as ``DIRECTORY/NAME.png`` (the directory is created if missing); returns
     the paths written.
 
@@ -346,7 +347,7 @@ def _module_labels(ax: Axes, records: list[Record], most: int = 24) -> None:
                    labels=[module or "(none)" for _, _, module in runs], rotation=45, ha="left", fontsize=7)
 
 
-def _module_cells(report: Report) -> dict[str, dict[str, Aggregate]]:
+def _module_cells(report: ReportData) -> dict[str, dict[str, Aggregate]]:
     """phase -> module -> aggregate; optimizer calls, named by parameter ("Net.fc.weight"), under the module."""
     try:
         views = {p: report.view("module", phase=p) for p in PHASES}
@@ -373,7 +374,7 @@ def _cell_value(agg: Aggregate, metric: str) -> float:
 def _heat_text(agg: Aggregate, value: float, metric: str) -> str:
     if metric == "budget" and not agg.budgeted_calls:
         return "-"
-    return _fmt(value) + (" !" if metric == "budget" and agg.over_budget_calls else "")
+    return number(value) + (" !" if metric == "budget" and agg.over_budget_calls else "")
 
 
 def _nan_low(x: float) -> float:

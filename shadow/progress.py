@@ -4,8 +4,8 @@ Drawn on stderr from a background thread, twice a second, only when stderr is a 
 The script's own output must not land on the line: while it is drawn, ``sys.stdout`` and ``sys.stderr`` are
 wrapped so that a write first erases it, and it is drawn again only once the script's output ends a line.
 
-The thread only reads: the report's call counter and a copy of its per-cell aggregates (``dict(report._cells)``,
-one C-level copy that no other thread can interleave with; ``Report.view`` is not used because it caches its
+The thread only reads: the report's call counter and a copy of its per-cell aggregates (``dict(report.cells)``,
+one C-level copy that no other thread can interleave with; ``ReportData.view`` is not used because it caches its
 result, and a view cached from another thread mid-call could outlive the next call).
 """
 
@@ -16,14 +16,14 @@ import sys
 import threading
 from typing import Any, Callable, TextIO
 
-from .report import Report
+from .reportdata import ReportData
 from .verdict import op_class, times
 
 
-def status(report: Report, step: int, shadowing: bool) -> str:
+def status(report: ReportData, step: int, shadowing: bool) -> str:
     """The line's text: "shadow: 1234 calls, step 3 (shadowing), worst aten.mm 40x budget"."""
     worst_op, worst = "", 0.0
-    for key, agg in dict(report._cells).items():
+    for key, agg in dict(report.cells).items():
         if agg.budgeted_calls and agg.max_budget_used > worst:
             worst_op, worst = key[0], agg.max_budget_used
     text = f"shadow: {report.coverage.calls} calls, step {step} ({'shadowing' if shadowing else 'waiting'})"
@@ -36,7 +36,7 @@ class Progress:
     """``with Progress(report, step=lambda: n, shadowing=lambda: on):`` keeps the line fresh until the block ends,
     then erases it. Does nothing unless ``stream`` is a terminal."""
 
-    def __init__(self, report: Report, step: Callable[[], int], shadowing: Callable[[], bool],
+    def __init__(self, report: ReportData, step: Callable[[], int], shadowing: Callable[[], bool],
                  stream: TextIO | None = None, interval: float = 0.5):
         self.report, self.step, self.shadowing = report, step, shadowing
         self.stream = stream if stream is not None else sys.stderr

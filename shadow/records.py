@@ -1,4 +1,7 @@
-"""What shadow records of one op call: small typed objects that keep numbers, never tensors.
+"""What shadow records: small typed objects that keep numbers, never tensors. Per op call a ``Record``, per
+optimizer step a ``StepDrift``, per group of calls (an op, a module, a cell) an ``Aggregate``, per run its
+``Coverage`` and ``Event``s; each with its saved form beside it (``RECORD``... ``shadow.reportformat`` assembles the
+report from them).
 
 >>> rec = Record(index=0, op="aten.mm.default", module="Net.fc", phase=Phase.FORWARD, kind=Kind.REPLAYED,
 ...              dtype="torch.float32", shape=(4, 8))
@@ -8,12 +11,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import enum
 import math
+from typing import Any, Callable
 
-from .metrics import ErrorStats
+from .metrics import ERROR_STATS, ErrorStats
+from .savedform import COUNT, COUNTS, FIGURE, TEXT, Choice, Field, Fields, Flag, ListOf, MapOf, Maybe, Spec
 from .spot import SpotStats
+from .spot.verdict import SPOT
 
 
 def op_class(op: str) -> str:
@@ -154,17 +161,13 @@ class Record:
         return "precision" if stats.nonfinite_device or shadow_finite else "math"
 
     def to_dict(self) -> dict:
-        """The saved form (``shadow.reportformat.RECORD``)."""
-        from .reportformat import RECORD
-
+        """The saved form (``RECORD``)."""
         return RECORD.write(self, "record")
 
     @classmethod
     def from_dict(cls, d: dict) -> Record:
         """Inverse of ``to_dict``; reads version-3 records too (no dtype and shape, budget "kind"). A malformed one
         raises ``ReportFormatError`` naming the field."""
-        from .reportformat import RECORD
-
         return RECORD.read(d, "record")
 
 
@@ -176,3 +179,227 @@ class Event:
     op: str
     kind: str
     detail: str
+
+
+# results that are constants, not computed values: backward's seed (ones_like of the loss) is one
+_CONSTANTS = frozenset({"ones_like", "zeros_like", "full_like", "empty_like", "ones", "zeros", "full", "fill",
+                        "fill_", "scalar_tensor", "lift_fresh", "lift_fresh_copy"})
+
+
+def loss_candidate(op: str, phase: Phase, numel: int, floating: bool) -> bool:
+    """A result that can be a step's loss: one floating element computed in the forward or outside any module,
+    not a constant (backward's seed is ones_like of the loss). A step's loss is the last one before its backward."""
+    return phase in (Phase.FORWARD, Phase.OTHER) and numel == 1 and floating and op.split(".")[1] not in _CONSTANTS
+
+
+@dataclasses.dataclass(slots=True)
+class StepDrift:
+    """One optimizer step of a run."""
+
+    step: int  # optimizer steps this ShadowMode saw, from 1
+    loss: float | None  # the device's loss (None: no one-element result before the backward)
+    loss_drift: float | None  # |loss - its float64 shadow| / |shadow|
+    params: float  # ||parameters - their shadows|| / ||shadows||, over every parameter the optimizer stepped
+    worst: str  # the parameter whose own relative drift is the largest
+    worst_drift: float
+
+
+@dataclasses.dataclass(slots=True)
+class Aggregate:
+    """Every call of one op (or module), whether or not its per-call record was kept."""
+
+    calls: int = 0
+    kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    max_local_ulp: float = 0.0
+    max_local_ulp_nonzero: float = 0.0  # ... over elements whose reference is not exactly 0
+    zero_reference_calls: int = 0  # calls with references exactly 0 where the device is not (local)
+    max_local_abs: float = 0.0
+    max_drift_rel: float = 0.0
+    max_drift_ulp: float = 0.0
+    flips: int = 0
+    nonfinite: int = 0
+    first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
+    budgeted_calls: int = 0  # calls held to a rule's budget (not the default guess for ops no rule knows)
+    max_budget_used: float = 0.0  # the worst local error as a fraction of its budget (> 1: over)
+    over_budget_calls: int = 0  # calls over budget (Record.over_budget)
+    min_effective_bits: float = math.inf  # the fewest mantissa bits a call's local error reads (inf: all exact)
+    spot_checked: int = 0  # calls whose float64 reference was spot-checked with mpmath
+    spot_untrusted: int = 0  # ... and found less accurate than the device error needs
+    dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # calls by result dtype ("torch.bfloat16")
+
+    def add(self, rec: Record) -> None:
+        # comparisons where max() would be called (once per op call): the same result, NaNs included
+        self.calls += 1
+        if rec.dtype:
+            self.dtypes[rec.dtype] = self.dtypes.get(rec.dtype, 0) + 1
+        self.kinds[rec.kind] = self.kinds.get(rec.kind, 0) + 1
+        local, drift, budget = rec.local, rec.drift, rec.budget
+        if local is not None:
+            if local.max_ulp > self.max_local_ulp:
+                self.max_local_ulp = local.max_ulp
+            v = local.ulp_nonzero
+            if v > self.max_local_ulp_nonzero:
+                self.max_local_ulp_nonzero = v
+            self.zero_reference_calls += local.zero_reference > 0
+            if local.max_abs > self.max_local_abs:
+                self.max_local_abs = local.max_abs
+        if drift is not None:
+            if drift.rel_norm > self.max_drift_rel:
+                self.max_drift_rel = drift.rel_norm
+            if drift.max_ulp > self.max_drift_ulp:
+                self.max_drift_ulp = drift.max_ulp
+        self.flips += rec.flips
+        if budget is not None and not budget.is_default:
+            self.budgeted_calls += 1
+            if budget.used > self.max_budget_used:
+                self.max_budget_used = budget.used
+            self.over_budget_calls += rec.over_budget
+            bits = local.effective_bits if local is not None else None
+            if bits is not None and bits < self.min_effective_bits:  # a NaN compares false: skipped
+                self.min_effective_bits = bits
+        if rec.spot is not None and rec.spot.checked:
+            self.spot_checked += 1
+            self.spot_untrusted += not rec.spot.trusted
+        nf = (drift.nonfinite if drift is not None else 0) + (local.nonfinite if local is not None else 0)
+        if nf:
+            self.nonfinite += nf
+            if self.first_nonfinite is None:
+                self.first_nonfinite = rec.index
+
+    def merge(self, other: Aggregate) -> None:
+        """Fold in another aggregate (of other calls): counts add, worst figures combine."""
+        self.calls += other.calls
+        for mine, theirs in ((self.kinds, other.kinds), (self.dtypes, other.dtypes)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        for name in ("max_local_ulp", "max_local_ulp_nonzero", "max_local_abs", "max_drift_rel", "max_drift_ulp",
+                     "max_budget_used"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
+        for name in ("zero_reference_calls", "flips", "nonfinite", "budgeted_calls", "over_budget_calls",
+                     "spot_checked", "spot_untrusted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.min_effective_bits = min(self.min_effective_bits, other.min_effective_bits)
+        if other.first_nonfinite is not None and (self.first_nonfinite is None
+                                                  or other.first_nonfinite < self.first_nonfinite):
+            self.first_nonfinite = other.first_nonfinite
+
+
+@dataclasses.dataclass(slots=True)
+class Coverage:
+    """What shadow saw and what it could replay."""
+
+    calls: int = 0  # aten op calls seen
+    kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    unsupported: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> first reason
+    internal_errors: int = 0
+    passthrough: int = 0  # non-aten ops (profiler markers...), passed through untouched
+    tensors_adopted: int = 0  # storages first seen mid-run, adopted by exact upcast
+    unobserved_writes: int = 0  # storages written behind shadow's back, resynced from the device
+    reinterpreted: int = 0  # reads through a view of another element size, served from the device
+    compiled: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled modules that ran: calls
+    compiled_eagerly: bool = True  # they ran eagerly (recent torch); False: as compiled code, outputs adopted
+    out_of_scope: int = 0  # calls outside ShadowMode(scope=...): run, not shadowed, not recorded
+
+    @property
+    def replayed(self) -> int:
+        return self.kinds.get("replayed", 0) + self.kinds.get("decomposed", 0)
+
+    @property
+    def unsupported_calls(self) -> int:
+        return self.kinds.get(Kind.UNSUPPORTED.value, 0)
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
+        lines = [f"{self.calls} aten calls ({kinds}); {self.passthrough} non-aten passed through"
+                 + (f"; {self.out_of_scope} outside the scope, not shadowed" if self.out_of_scope else "")]
+        lines.append(
+            f"{self.tensors_adopted} storages adopted on first sight, {self.unobserved_writes} unobserved writes, "
+            f"{self.internal_errors} internal errors"
+        )
+        lines += [f"  unsupported {op}: {why}" for op, why in sorted(self.unsupported.items())]
+        how = ("ran eagerly ({} calls): its figures are the eager kernels'" if self.compiled_eagerly else
+               "ran as compiled code ({} calls): its fused kernels unseen, its outputs adopted from the device")
+        lines += [f"  compiled module {name} {how.format(n)}" for name, n in sorted(self.compiled.items())]
+        return "\n".join(lines)
+
+
+# what a merged report keeps of each rank's cells (Report.per_rank; shadow.distributed.merge_reports)
+RANK_FIELDS = ("calls", "max_local_ulp_nonzero", "zero_reference_calls", "budgeted_calls", "max_budget_used",
+               "over_budget_calls", "max_drift_rel")
+
+
+def _gc_untrack() -> Callable[[Any], None] | None:
+    """CPython's ``PyObject_GC_UnTrack`` (None on another Python, where records stay tracked, or where a record's
+    type is not one the collector tracks, whose objects have no tracking header to clear)."""
+    if not all(t.__flags__ & _HAVE_GC for t in (Record, ErrorStats, BudgetInfo, SpotStats)):
+        return None
+    try:
+        fn = ctypes.pythonapi.PyObject_GC_UnTrack
+    except AttributeError:
+        return None
+    fn.argtypes, fn.restype = [ctypes.py_object], None
+    return fn
+
+
+_HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects carry the collector's header
+GC_UNTRACK = _gc_untrack()  # CPython's PyObject_GC_UnTrack, or None
+
+
+def untrack(rec: Record) -> None:
+    """Take a kept record and its figures out of the garbage collector's lists. Kept records pile up (one to five
+    tracked objects a call), and as they do they set off the collector's full collections, each a walk over
+    every object of the process (benchmarks/RESULTS.md: "Kept records in the garbage collector"). A record and its figures hold numbers, strings and each other, never
+    a reference back, so no cycle the collector could free runs through them; reference counting frees them.
+    Each is an instance of a collected type (``_gc_untrack`` checks), which untracking twice leaves untracked."""
+    if GC_UNTRACK is None:
+        return
+    for o in (rec, rec.local, rec.drift, rec.budget, rec.spot, rec.cpu):
+        if o is not None:
+            GC_UNTRACK(o)
+
+
+# --- the saved forms (shadow.savedform specs; shadow.reportformat assembles the report from them) ---
+BUDGET = Fields("BudgetInfo", {"family": Field(TEXT, True, old="kind"), "used": Field(FIGURE, True),
+                               "is_default": Flag()}, BudgetInfo)
+
+
+class _Scalar(Spec):
+    """.item()'s device and shadow values: a float, an int or a bool."""
+
+    expected = "a number or true/false"
+
+    def load(self, value: Any) -> Any:
+        return value if type(value) is bool else FIGURE.load(value)
+
+
+RECORD = Fields("Record", {
+    "index": Field(COUNT, True), "op": Field(TEXT, True), "module": Field(TEXT, True),
+    "phase": Field(Choice(Phase), True), "kind": Field(Choice(Kind), True),
+    "local": Maybe(ERROR_STATS), "drift": Maybe(ERROR_STATS), "flips": COUNT, "local_flips": COUNT,
+    "shape_mismatch": COUNT, "item": Maybe(ListOf(_Scalar(), length=2, into=tuple)), "reason": TEXT,
+    "spot": Maybe(SPOT), "budget": Maybe(BUDGET), "cpu_fallback": Flag(), "cpu": Maybe(ERROR_STATS),
+    "dtype": TEXT, "shape": ListOf(COUNT, into=tuple), "inputs_nonfinite": Flag(), "skipped": COUNT,
+    "callsite": TEXT, "inputs_drift": FIGURE}, Record)
+
+
+def _aggregate_legacy(values: dict) -> None:
+    values.setdefault("max_local_ulp_nonzero", values.get("max_local_ulp", 0.0))  # before version 4
+    if "budgeted_calls" not in values and "max_budget_used" in values:  # version 3 did not count them
+        values["budgeted_calls"] = values.get("calls", 0)
+
+
+AGGREGATE = Fields("Aggregate", {
+    "calls": COUNT, "kinds": COUNTS, "max_local_ulp": FIGURE, "max_local_ulp_nonzero": FIGURE,
+    "zero_reference_calls": COUNT, "max_local_abs": FIGURE, "max_drift_rel": FIGURE, "max_drift_ulp": FIGURE,
+    "flips": COUNT, "nonfinite": COUNT, "first_nonfinite": Maybe(COUNT), "budgeted_calls": COUNT,
+    "max_budget_used": FIGURE, "over_budget_calls": Field(COUNT, old="over_budget"), "min_effective_bits": FIGURE,
+    "spot_checked": COUNT, "spot_untrusted": COUNT, "dtypes": COUNTS}, Aggregate, legacy=_aggregate_legacy)
+COVERAGE = Fields("Coverage", {
+    "calls": COUNT, "kinds": COUNTS, "unsupported": MapOf(TEXT), "internal_errors": COUNT, "passthrough": COUNT,
+    "tensors_adopted": COUNT, "unobserved_writes": COUNT, "reinterpreted": COUNT, "compiled": COUNTS,
+    "compiled_eagerly": Flag(), "out_of_scope": COUNT}, Coverage)
+EVENT = Fields("Event", {"index": Field(COUNT, True), "op": Field(TEXT, True), "kind": Field(TEXT, True),
+                         "detail": Field(TEXT, True)}, Event)
+STEP = Fields("StepDrift", {"step": Field(COUNT, True), "loss": Field(Maybe(FIGURE), True),
+                            "loss_drift": Field(Maybe(FIGURE), True), "params": Field(FIGURE, True),
+                            "worst": Field(TEXT, True), "worst_drift": Field(FIGURE, True)}, StepDrift)

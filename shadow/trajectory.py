@@ -8,7 +8,6 @@ GradScaler's scaled loss: the relative drift is the same); the parameters are th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -16,33 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .metrics import compare
-from .records import Phase, Record
+from .records import Phase, Record, StepDrift, loss_candidate
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 _no_dispatch = torch._C._DisableTorchDispatch
-# results that are constants, not computed values: backward's seed (ones_like of the loss) is one
-_CONSTANTS = frozenset({"ones_like", "zeros_like", "full_like", "empty_like", "ones", "zeros", "full", "fill",
-                        "fill_", "scalar_tensor", "lift_fresh", "lift_fresh_copy"})
-
-
-def loss_candidate(op: str, phase: Phase, numel: int, floating: bool) -> bool:
-    """A result that can be a step's loss: one floating element computed in the forward or outside any module,
-    not a constant (backward's seed is ones_like of the loss). A step's loss is the last one before its backward."""
-    return phase in (Phase.FORWARD, Phase.OTHER) and numel == 1 and floating and op.split(".")[1] not in _CONSTANTS
-
-
-@dataclasses.dataclass(slots=True)
-class StepDrift:
-    """One optimizer step of a run."""
-
-    step: int  # optimizer steps this ShadowMode saw, from 1
-    loss: float | None  # the device's loss (None: no one-element result before the backward)
-    loss_drift: float | None  # |loss - its float64 shadow| / |shadow|
-    params: float  # ||parameters - their shadows|| / ||shadows||, over every parameter the optimizer stepped
-    worst: str  # the parameter whose own relative drift is the largest
-    worst_drift: float
 
 
 class Trajectory:

@@ -4,7 +4,7 @@ like (one line when most read the same format, then the exceptions), float64 ref
 what shadow could not check; or the all-clear. NaN/Inf that float64 makes too and that reaches none of those (an
 attention mask of -inf that softmax absorbs) is information, not a finding (docs/reports.md: The verdict).
 
-A pure function of a Report (``conclude``); ``Report.summary``, ``shadow show``, ``shadow run``, the HTML page and
+A pure function of a report (``conclude``); ``Report.summary``, ``shadow show``, ``shadow run``, the HTML page and
 the pytest plugin render it.
 
 >>> v = conclude(sm.report)                                   # doctest: +SKIP
@@ -23,8 +23,8 @@ import dataclasses
 import math
 
 from .nonfinite import Absorbed, Flow, Reach, flow
-from .records import Record, op_class
-from .report import Aggregate, Report
+from .records import Aggregate, Record, op_class
+from .reportdata import ReportData
 
 # mantissa bits each dtype stores (what `effective_bits` reads in), and the narrower arithmetics an error may read
 # like: the same 10 bits are TF32 in a matmul or convolution and float16 elsewhere
@@ -363,7 +363,7 @@ def known_kernels(classes: tuple[OpClass, ...], numerics: dict) -> tuple[tuple[s
                  if c.op in ops and dtype in c.dtypes and when(numerics))
 
 
-def op_classes(report: Report) -> list[OpClass]:
+def op_classes(report: ReportData) -> list[OpClass]:
     """Every op class with calls held to a rule's budget, the worst budget use first."""
     merged: dict[str, Aggregate] = {}
     for op, agg in report.by_op.items():
@@ -387,7 +387,7 @@ def op_classes(report: Report) -> list[OpClass]:
     return sorted(found, key=lambda c: (-c.budget_used, c.op))
 
 
-def conclude(report: Report) -> Verdict:
+def conclude(report: ReportData) -> Verdict:
     """The verdict on ``report``: findings as data, and their lines."""
     by_op = report.by_op
     classes = op_classes(report)

@@ -19,7 +19,7 @@ import shadow
 from models import one_step
 from test_answers_audit import spearman
 from shadow import ShadowOptionError
-from shadow.precision.plan import Plan
+from shadow.precision.lowering import Plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -499,14 +499,14 @@ def test_no_false_alarms_training_steps(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_bounds_formed_in_the_comparison_give_the_figures_of_their_tensors(dtype, monkeypatch):
     """The optimizer's bounds of ulps plus an operand term (add with alpha, addcmul, addcdiv, lerp) reach the
-    comparison as formulas (``Budget.compared``) that its numba pass forms where it reads the result: every
+    comparison as formulas (``Budget.divisors``) that its numba pass forms where it reads the result: every
     call's budget use equals that of the same steps with the bounds written as tensors first (``Budget.bound``)
     to the last bit (a maximum of quotients), and its effective bits to 1e-12 (they read the error's sum of
     squares, which the two compiled passes may add in another order), for Adam (for-loop and foreach), SGD and
     AdamW."""
     from shadow import _fused, metrics
 
-    if metrics._fused is None:
+    if metrics.fused is None:
         pytest.skip(f"numba unavailable: {metrics.FUSED_UNAVAILABLE}")
 
     def figures() -> list[tuple]:
@@ -524,7 +524,7 @@ def test_bounds_formed_in_the_comparison_give_the_figures_of_their_tensors(dtype
     monkeypatch.setattr(_fused, "figures", spy)
     got = figures()
     with monkeypatch.context() as m:
-        m.setattr(budgets.core.Budget, "compared", property(lambda b: b.bound))
+        m.setattr(budgets.core.Budget, "divisors", property(lambda b: b.bound))
         want = figures()
     assert len(got) == len(want) > 100
     def same(a, b, rel: float = 0.0) -> bool:  # equal, NaN included (None where a call has no budget)
@@ -639,13 +639,13 @@ def test_large_matmul_bound_is_cheap_and_valid():
 @pytest.mark.parametrize("layout", ["A @ B", "A @ W.T", "A.T @ B"])
 def test_large_matmul_bound_and_scale_read_each_operand_once(layout, monkeypatch):
     """The bound reads each operand's squares summed one way (||a_i||, ||b_j||) and the scale the other (over
-    K): one pass per operand gives both (``_fused.squares``), for operands stored by rows or by columns (W.T
+    K): one pass per operand gives both (``_fused_bounds.squares``), for operands stored by rows or by columns (W.T
     in a linear layer's forward), with the bound and the effective bits of torch's four reductions to
     rounding."""
-    from shadow import _fused, metrics
+    from shadow import _fused_bounds, metrics
     from shadow.budgets import linalg
 
-    if metrics._fused is None:
+    if metrics.fused is None:
         pytest.skip(f"numba unavailable: {metrics.FUSED_UNAVAILABLE}")
     A, B = (t.double() for t in _mm_case(200, 300, 250, seed=6))
     if layout == "A @ W.T":
@@ -655,7 +655,7 @@ def test_large_matmul_bound_and_scale_read_each_operand_once(layout, monkeypatch
     r = A @ B
     y = (A.float() @ B.float()).double()
     reads = collections.Counter()
-    run = _fused.squares
+    run = _fused_bounds.squares
 
     def spy(t):
         reads[t.data_ptr()] += 1
@@ -665,11 +665,11 @@ def test_large_matmul_bound_and_scale_read_each_operand_once(layout, monkeypatch
         b = budget_for(aten.mm.default, (A, B), {}, [r], torch.float32)
         return b.bound[0], b.bits(_local(y, r))
 
-    monkeypatch.setattr(_fused, "squares", spy)
+    monkeypatch.setattr(_fused_bounds, "squares", spy)
     bound, bits = bound_and_bits()
     assert dict(reads) == {A.data_ptr(): 1, B.data_ptr(): 1}
     with monkeypatch.context() as m:
-        m.setattr(linalg, "_fused", None)  # as without numba: vector_norm, square + sum
+        m.setattr(linalg, "fused_bounds", None)  # as without numba: vector_norm, square + sum
         want_bound, want_bits = bound_and_bits()
     torch.testing.assert_close(bound, want_bound, rtol=1e-13, atol=0)
     assert 22.0 < bits <= 23.0 and bits == pytest.approx(want_bits, abs=1e-9)

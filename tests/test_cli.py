@@ -18,7 +18,8 @@ import torch
 
 import shadow
 from shadow import ShadowMode, load_report
-from shadow.cli import Stopped, _Stops, main
+from shadow.cli import main
+from shadow.cli.run import Stopped, Stops
 from shadow.progress import Progress, status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +235,7 @@ def test_a_signal_outside_the_script_is_held_until_the_report_is_written(tmp_pat
     assert "shadow: stopped by SIGTERM" in capsys.readouterr().err
     assert load_report(tmp_path / "r.json").meta["run"]["exit_status"] == 0  # the script itself ran to its end
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers found are back
-    with _Stops() as stops:
+    with Stops() as stops:
         os.kill(os.getpid(), signal.SIGHUP)
         assert stops.held == signal.SIGHUP
         with pytest.raises(Stopped, match="stopped by SIGHUP"):

@@ -1,4 +1,4 @@
-"""shadow.compare: two reports of the same program, the second judged against the first."""
+"""shadow.reportdiff: two reports of the same program, the second judged against the first."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shadow import ShadowMode
-from shadow.compare import Change, CompareError, Figures, align, compare
+from shadow.reportdiff import Change, Figures, ReportDiffError, align, diff_reports
 from shadow.modes import TF32Mode
 
 
@@ -57,7 +57,7 @@ def tf32():
 
 
 def test_tf32_matmuls_got_worse(fp32, tf32):
-    cmp = compare(fp32, tf32)
+    cmp = diff_reports(fp32, tf32)
     assert cmp.match == 1.0 and cmp.matched == len(fp32.records) == len(tf32.records)
     worse = cmp.worse("op")
     assert {c.key for c in worse} == {"aten.mm.default", "aten.addmm.default"}
@@ -69,7 +69,7 @@ def test_tf32_matmuls_got_worse(fp32, tf32):
     assert cmp.calls and {c.op for c in cmp.calls} <= {"aten.mm.default", "aten.addmm.default"}
     assert cmp.calls[0].b / cmp.calls[0].a >= cmp.calls[-1].b / cmp.calls[-1].a  # the worst call first
     assert cmp.lines[-1].startswith("verdict: B is worse: the own error of 2 op classes grew 2x or more: ")
-    back = compare(tf32, fp32)  # the other way round: better, not worse
+    back = diff_reports(tf32, fp32)  # the other way round: better, not worse
     assert back.worse("op") == [] and {c.key for c in back.better("op")} == {"aten.mm.default", "aten.addmm.default"}
     assert back.verdict == "verdict: B is better: no op's own error got worse, some got better"
 
@@ -91,7 +91,7 @@ def test_a_kernel_at_full_precision_on_both_sides_did_not_change():
 
 def test_identical_runs_nothing_changed(fp32):
     again = shadowed()
-    cmp = compare(fp32, again)
+    cmp = diff_reports(fp32, again)
     assert cmp.identical and not cmp.changed and cmp.worse("op") == [] and cmp.calls == ()
     assert cmp.text.endswith("verdict: nothing changed: the same calls with the same figures")
 
@@ -100,7 +100,7 @@ def test_calls_one_run_adds_are_skipped_over(fp32):
     """B runs one op more mid-forward (and in backward): the rest still match, in order, and the extra calls are
     named."""
     b = shadowed(extra=True)
-    cmp = compare(fp32, b)
+    cmp = diff_reports(fp32, b)
     assert cmp.matched == len(fp32.records) and cmp.only_b == (("aten.mul.Tensor", 2),) and cmp.only_a == ()
     assert "calls only in B: aten.mul.Tensor x2" in cmp.lines and not cmp.worse("op")
 
@@ -108,19 +108,19 @@ def test_calls_one_run_adds_are_skipped_over(fp32):
 def test_different_programs_are_refused(fp32):
     with ShadowMode() as sm:
         torch.randn(8).exp().sum()
-    with pytest.raises(CompareError, match=r"^the reports are not of the same program: only \d+% of their op calls "
+    with pytest.raises(ReportDiffError, match=r"^the reports are not of the same program: only \d+% of their op calls "
                                            r"match in order \(\d+ calls against \d+\); compare two runs of the same "
                                            r"script with the same steps$"):
-        compare(fp32, sm.report)
+        diff_reports(fp32, sm.report)
     more = shadowed(steps=4)  # the same program, 4 steps against 1: 2 of 5 calls match
-    with pytest.raises(CompareError, match=r"only 4\d% of their op calls match"):
-        compare(fp32, more)
-    assert compare(fp32, more, min_match=0.3).matched == len(fp32.records)
+    with pytest.raises(ReportDiffError, match=r"only 4\d% of their op calls match"):
+        diff_reports(fp32, more)
+    assert diff_reports(fp32, more, min_match=0.3).matched == len(fp32.records)
 
 
 def test_without_records_the_op_counts_are_compared(fp32, tf32):
     a, b = shadowed(max_records=0), shadowed(TF32Mode(), max_records=0)
-    cmp = compare(a, b)
+    cmp = diff_reports(a, b)
     assert cmp.records_a == cmp.records_b == 0 and cmp.match == 1.0 and cmp.calls == ()
     assert {c.key for c in cmp.worse("op")} == {"aten.mm.default", "aten.addmm.default"}
     assert cmp.lines[0] == "no per-call records to match: compared by op counts (100% alike)"
@@ -128,7 +128,7 @@ def test_without_records_the_op_counts_are_compared(fp32, tf32):
 
 def test_factor_must_exceed_one(fp32):
     with pytest.raises(ValueError, match="factor=1: expected a number > 1"):
-        compare(fp32, fp32, factor=1)
+        diff_reports(fp32, fp32, factor=1)
 
 
 def test_align_periodic_calls_step_by_step():

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import shadow
 from shadow import ShadowMode, _compat
 from shadow.compiled.hooks import GRAPHS_KEY
+from shadow.reportdiff import diff_reports
 
 from corpus import build, run
 from test_corpus import _run, assert_sees_everything
@@ -295,7 +296,7 @@ def test_compare_matches_an_eager_run_with_a_compiled_one():
         sm = ShadowMode()
         _run(build("block", habit=habit), sm)
         runs.append(sm.report)
-    cmp = shadow.compare.compare(*runs)
+    cmp = diff_reports(*runs)
     assert [(g.module, g.phase) for g in cmp.graphs] == [("Block", "forward"), ("Block", "backward")] * 2
     assert cmp.graphs[1].graph == "compiled.graph1"
     assert all(g.calls_a > 10 and 0 < g.own_b < 1 for g in cmp.graphs)
@@ -316,7 +317,7 @@ def test_compare_names_a_graph_less_accurate_than_the_eager_calls():
         scores(x, w)
     with _exp_of_bfloat16(), ShadowMode() as compiled:
         torch.compile(scores)(x, w)
-    cmp = shadow.compare.compare(eager.report, compiled.report)
+    cmp = diff_reports(eager.report, compiled.report)
     (change,) = cmp.graphs
     assert change.graph == "compiled.graph0" and change.calls_a == 4 and change.own_b > 100 > change.own_a
     assert cmp.verdict.startswith("verdict: B is worse: 1 compiled graph call over budget")

@@ -180,7 +180,7 @@ def test_long_run_keeps_no_hook_handles():
     """The hooks shadow registers per step do not accumulate under one ShadowMode: no RemovableHandle more after
     50 steps of the small MLP than after 20 (there were 16 more a step while every handle stayed until exit, 9
     while fired ones were only forgotten: a hook left registered is held by the autograd nodes it watches, and
-    holds them). shadow's _Tracker removes a fired hook at the next forward, the others on exit."""
+    holds them). shadow's Tracker removes a fired hook at the next forward, the others on exit."""
     # in a fresh process: what earlier tests leave behind (global hooks, tracked objects) changes the count
     code = (
         "import gc, sys\n"

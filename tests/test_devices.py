@@ -222,7 +222,7 @@ def test_directml_child_process_reports_its_stage():
     if importlib.util.find_spec("torch_directml") is None:
         assert found["stage"] == "import" and "No module named 'torch_directml'" in found["error"]
     elif isinstance(_directml_import_error(), OSError):
-        assert found == {"stage": "load", "error": discovery._describe(_directml_import_error())}
+        assert found == {"stage": "load", "error": discovery.describe(_directml_import_error())}
     else:
         assert found["stage"] in ("import", "loaded", "count", "found"), found
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import shadow
 from shadow import ShadowMode, ShadowOptionError
 from shadow.metrics import compare
-from shadow.report import VERSION
+from shadow.reportformat import VERSION
 
 aten = torch.ops.aten
 f64 = torch.float64
@@ -461,7 +461,7 @@ def test_report_table_and_save_load_roundtrip(tmp_path):
     assert back.coverage == sm.report.coverage
     assert back.table() == text
     data = path.read_text()
-    from shadow.report import VERSION
+    from shadow.reportformat import VERSION
 
     assert f'"version": {VERSION}' in data
     path.write_text(data.replace(f'"version": {VERSION}', '"version": 99'))

@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 
 import shadow.html  # noqa: E402  (registers the command, as the CLI's import of it will)
 from shadow import Kind, Phase, Record, Report, ShadowMode, cli, plots  # noqa: E402
-from shadow.report import LEGEND  # noqa: E402
+from shadow.tables import LEGEND  # noqa: E402
 from shadow.verdict import conclude  # noqa: E402
 import corpus  # noqa: E402
 from test_plots import tf32_step  # noqa: E402

@@ -13,7 +13,9 @@ import shadow
 from shadow import Aggregate, Phase, Report, ReportFormatError, ShadowMode, load_report
 from shadow.cli import main
 from shadow.modes import FaultMode
-from shadow.report import RANK_FIELDS, RANK_RTOL, VIEWS
+from shadow.records import RANK_FIELDS
+from shadow.reportdata import VIEWS
+from shadow.tables import RANK_RTOL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,8 +95,8 @@ def test_columns_per_rank_where_ranks_differ(ranks, merged):
         assert head[i + 1:i + 3] == [f"{name} r0", f"{name} r1"]
     gelu = rows[GELU]
     assert gelu["budget r1"].endswith("!") and not gelu["budget r0"].endswith("!")
-    assert gelu["budget r0"] == shadow.report._budget_cell(ranks[0].by_op[GELU])
-    assert gelu["budget r1"] == shadow.report._budget_cell(ranks[1].by_op[GELU])
+    assert gelu["budget r0"] == shadow.tables.budget_cell(ranks[0].by_op[GELU])
+    assert gelu["budget r1"] == shadow.tables.budget_cell(ranks[1].by_op[GELU])
     # rows where the ranks agree (the ops before the fault, exact views) say = in the rank columns
     same = [k for k, a in ranks[0].by_op.items()
             if all(_figures(a) == _figures(rep.by_op[k]) for rep in ranks)]
@@ -134,7 +136,7 @@ def test_a_rank_without_calls_in_a_row_differs(ranks):
 def _made(used: float = 0.5, over: int = 0, ulp: float = 3.0, drift: float = 1e-7) -> Report:
     """A report of one hand-made cell: two matmuls, the worst at a budget use of ``used``, ``over`` over it."""
     rep = Report()
-    rep._cells[("aten.mm.default", "Net.fc", "model.py:3", Phase.FORWARD)] = Aggregate(
+    rep.cells[("aten.mm.default", "Net.fc", "model.py:3", Phase.FORWARD)] = Aggregate(
         calls=2, budgeted_calls=2, max_budget_used=used, over_budget_calls=over, max_local_ulp_nonzero=ulp,
         max_drift_rel=drift)
     return rep
@@ -163,7 +165,7 @@ def test_save_and_load_keep_the_ranks(merged, tmp_path):
     back = load_report(path)
     assert list(back.per_rank) == list(merged.per_rank)
     for rank, part in merged.per_rank.items():
-        assert back.per_rank[rank]._cells == part._cells
+        assert back.per_rank[rank].cells == part.cells
     assert back.table() == merged.table() and back.to_dict() == merged.to_dict()
     saved = merged.to_dict()["per_rank"][1]["cells"][0]["aggregate"]
     assert set(saved) == set(RANK_FIELDS)  # compact: only what a table compares

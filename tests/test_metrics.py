@@ -108,7 +108,7 @@ def test_budget_over_a_zero_bound_is_infinite_on_every_path(n):
 
 # --- the fused pass (shadow._fused) against the definitions and against the paths it replaced ---
 
-fused = pytest.mark.skipif(metrics._fused is None, reason=f"numba unavailable: {metrics.FUSED_UNAVAILABLE}")
+fused = pytest.mark.skipif(metrics.fused is None, reason=f"numba unavailable: {metrics.FUSED_UNAVAILABLE}")
 EXACT = ("n", "max_abs", "max_ulp", "budget_used", "nonfinite_device", "nonfinite_reference", "nonfinite_mismatch",
          "nonfinite_agreed", "zero_reference", "max_ulp_nonzero")
 
@@ -363,7 +363,7 @@ def test_fused_pass_equals_the_torch_passes_it_replaced(dtype, monkeypatch):
         bound = _bound(kind, r, dtype)
         got = compare(y, r, dtype, bound)
         with monkeypatch.context() as m:
-            m.setattr(metrics, "_fused", None)  # as without numba
+            m.setattr(metrics, "fused", None)  # as without numba
             _assert_same(got, compare(y, r, dtype, bound))
 
 
@@ -409,7 +409,7 @@ def test_a_formula_bound_formed_in_the_pass_equals_its_tensor(dtype, monkeypatch
         finally:
             torch.set_num_threads(threads)
         with monkeypatch.context() as m:
-            m.setattr(metrics, "_fused", None)  # as without numba
+            m.setattr(metrics, "fused", None)  # as without numba
             _assert_same(compare(y, r, dtype, f), expected)
         for k in (40, 16, 5, 1):  # small outputs: the formula in the fused pass, its tensor in the Python loop
             def head(t):
@@ -434,7 +434,7 @@ def test_fused_figures_do_not_depend_on_the_thread_count():
             runs.append(_fused.figures(y, r, bound, torch.finfo(torch.float32).tiny))
     finally:
         torch.set_num_threads(threads)
-    serial, parallel = _fused._passes[:2]
+    serial, parallel = _fused._passes.compiled[0]
     args = (y.data_ptr(), *_fused._READ[torch.float32], r.data_ptr(), bound.data_ptr(), r.numel(), bound.numel(),
             _fused._exponent_field(torch.finfo(torch.float32).tiny), 0.0, 1.0, 0, bound.data_ptr(), bound.numel())
     assert runs[0] == runs[1] == serial(*args).tolist() == parallel(*args).tolist()
@@ -478,7 +478,7 @@ def test_references_near_overflow_take_the_full_loop_and_its_units(monkeypatch):
     _assert_same(got, _by_definition(y, r, f64, None))
     assert got.max_ulp == 3.0  # the top binade's own (a unit of 2**971; 2**-1023 as its inverse)
     with monkeypatch.context() as m:
-        m.setattr(metrics, "_fused", None)
+        m.setattr(metrics, "fused", None)
         _assert_same(got, compare(y, r, f64, None))
 
 
@@ -502,7 +502,7 @@ def test_spacing_in_one_pass_equals_the_torch_passes(dtype, monkeypatch):
     threads = torch.get_num_threads()
     for times in (1.0, 3.0, 0.5):
         with monkeypatch.context() as m:
-            m.setattr(metrics, "_fused", None)  # as without numba
+            m.setattr(metrics, "fused", None)  # as without numba
             want = metrics.spacing(r, dtype, times)
         try:
             for t in (1, 2):
@@ -519,7 +519,7 @@ def test_a_bounds_magnitude_in_one_pass_equals_the_torch_passes(monkeypatch):
     pass for contiguous float64 CPU tensors: the same values, bit for bit, as torch's three passes, over every
     binade, zeros of both signs, subnormals, infinities and NaN, on one thread and two. Tensors the pass cannot
     read (strided, complex, tiny) take torch's passes."""
-    from shadow import _fused
+    from shadow import _fused, _fused_bounds
     from shadow.budgets import core
 
     n = 3 * _fused.CHUNK + 11
@@ -530,7 +530,7 @@ def test_a_bounds_magnitude_in_one_pass_equals_the_torch_passes(monkeypatch):
     threads = torch.get_num_threads()
     for scale, offset in ((3 * 2.0**-24, 2.0**-149), (2.0**-53, 0.0)):
         with monkeypatch.context() as m:
-            m.setattr(core, "_fused", None)  # as without numba
+            m.setattr(core, "fused_bounds", None)  # as without numba
             want = core.magnitude_of(a, torch.empty_like(a), scale, offset)
         try:
             for t in (1, 2):
@@ -541,7 +541,7 @@ def test_a_bounds_magnitude_in_one_pass_equals_the_torch_passes(monkeypatch):
             torch.set_num_threads(threads)
     for x in (a[:128].view(2, 64).t(), a[:2]):
         out = torch.empty(x.shape, dtype=f64)
-        assert not _fused.magnitude(x, out)
+        assert not _fused_bounds.magnitude(x, out)
         torch.testing.assert_close(core.magnitude_of(x, out, 0.5, 1.0), x.abs().to(f64) * 0.5 + 1.0,
                                    rtol=0, atol=0, equal_nan=True)
     z = torch.complex(a[:100], a[100:200])
@@ -553,11 +553,11 @@ def test_a_bounds_magnitude_in_one_pass_equals_the_torch_passes(monkeypatch):
 @pytest.mark.parametrize("shape,by_rows", [((300, 500), True), ((300, 500), False), ((70, 5000), True),
                                            ((5000, 70), False), ((3, 40), True)])
 def test_sums_of_squares_in_one_pass_are_torchs_to_rounding(shape, by_rows):
-    """A matrix's squares summed along its rows and down its columns in one read (``_fused.squares``, a
+    """A matrix's squares summed along its rows and down its columns in one read (``_fused_bounds.squares``, a
     matmul's bound and scale): torch's sums to the rounding of sums of positive terms, n * 2**-53 relative
     for n terms; the same bits on one thread and two (fixed row blocks, combined in order); an infinity or a
     NaN reaches its row's and its column's sums as in torch. Tensors it cannot read give None."""
-    from shadow import _fused
+    from shadow import _fused_bounds
 
     g = torch.Generator().manual_seed(11)
     t = torch.randn(shape, dtype=f64, generator=g) * torch.exp2(torch.randint(-30, 30, shape, generator=g).double())
@@ -569,7 +569,7 @@ def test_sums_of_squares_in_one_pass_are_torchs_to_rounding(shape, by_rows):
         got = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            got.append(_fused.squares(t))
+            got.append(_fused_bounds.squares(t))
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(*got):
@@ -581,7 +581,7 @@ def test_sums_of_squares_in_one_pass_are_torchs_to_rounding(shape, by_rows):
     assert math.isinf(got[0][0][1, 0]) and math.isinf(got[0][1][0, 2]) and math.isnan(got[0][0][2, 0])
     big = torch.randn(64, 64, dtype=f64, generator=g)
     for x in (big[:, ::2], big.float(), big.reshape(4, 16, 64), torch.randn(8, 8, dtype=f64)):
-        assert _fused.squares(x) is None
+        assert _fused_bounds.squares(x) is None
 
 
 @fused
@@ -630,11 +630,11 @@ def test_fused_pass_without_a_writable_cache(monkeypatch, tmp_path):
     want = compare(y, r, torch.float32)
     with monkeypatch.context() as m:
         m.setattr(numba.core.caching._CacheLocator, "ensure_cache_path", unwritable)
-        m.setattr(_fused, "_passes", _fused._compile(True))  # numba: "no locator available" -> no cache
+        m.setattr(_fused, "_passes", _fused.Passes(*_fused._passes.pairs))  # numba: "no locator available" -> no cache
         _assert_same(compare(y, r, torch.float32), want)
     with monkeypatch.context() as m:
         m.setattr(numba.config, "CACHE_DIR", str(tmp_path))  # an empty cache: the first call compiles and saves
-        m.setattr(_fused, "_passes", _fused._compile(True))
+        m.setattr(_fused, "_passes", _fused.Passes(*_fused._passes.pairs))
         m.setattr(numba.core.caching._CacheLocator, "ensure_cache_path", unwritable)  # fails at the save
         _assert_same(compare(y, r, torch.float32), want)
 
@@ -645,6 +645,6 @@ def test_without_numba_compare_takes_the_torch_passes_and_says_why():
 
     code = ("import sys; sys.modules['numba'] = None; import torch; from shadow import metrics; "
             "y = torch.randn(100_000); s = metrics.compare(y, y.double() + 2.0**-30, torch.float32); "
-            "print(metrics._fused is None, metrics.FUSED_UNAVAILABLE, s.max_abs == 2.0**-30)")
+            "print(metrics.fused is None, metrics.FUSED_UNAVAILABLE, s.max_abs == 2.0**-30)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("True ModuleNotFoundError: import of numba") and out.strip().endswith("True")

@@ -23,10 +23,9 @@ from hypothesis import strategies as st
 
 from shadow import Report, ReportFormatError, load_report, reportformat
 from shadow.metrics import ErrorStats
-from shadow.records import BudgetInfo, Event, Record
-from shadow.report import Aggregate, Coverage
+from shadow.records import Aggregate, BudgetInfo, Coverage, Event, Record, StepDrift
+from shadow.report import loads
 from shadow.spot import SpotStats
-from shadow.trajectory import StepDrift
 
 REPORTS = os.path.join(os.path.dirname(__file__), "reports")
 VERSIONS = reportformat.READS
@@ -102,7 +101,7 @@ def _good() -> dict:
 
 def _refused(d, says: str) -> None:
     with pytest.raises(ReportFormatError, match=says):
-        reportformat.loads(d if isinstance(d, (str, bytes)) else json.dumps(d))
+        loads(d if isinstance(d, (str, bytes)) else json.dumps(d))
 
 
 def test_a_record_whose_index_is_a_string_is_refused():
@@ -181,7 +180,7 @@ def test_fields_unknown_missing_or_of_other_versions():
         _refused(dict(_good(), version=version), "cannot be read by this shadow")
     d = json.loads(_text(4))
     d["trajectory"] = "a field of version 6: unread in version 4"  # as before the schema
-    assert reportformat.loads(json.dumps(d)).trajectory == []
+    assert loads(json.dumps(d)).trajectory == []
 
 
 @pytest.mark.parametrize("text,says", [
@@ -202,11 +201,11 @@ def test_pythons_json_literals_are_the_figures_they_name():
     rep = load_report(_path(7))
     text = json.dumps(rep.to_dict())
     assert "Infinity" in text
-    assert _saved(reportformat.loads(text)) == _saved(rep)
+    assert _saved(loads(text)) == _saved(rep)
     d = json.loads(text)
     d["records"][0]["flips"] = math.nan
     with pytest.raises(ReportFormatError, match=r"records\[0\]\.flips: expected a whole number .*got nan"):
-        reportformat.loads(json.dumps(d))
+        loads(json.dumps(d))
 
 
 def test_saving_refuses_what_the_format_cannot_hold(tmp_path):
@@ -325,12 +324,12 @@ def _mutated(draw) -> bytes:
 def _load_or_refuse(data: bytes) -> None:
     """Only ReportFormatError may escape; a report that loads can be shown, and saves and loads back the same."""
     try:
-        rep = reportformat.loads(data)
+        rep = loads(data)
     except ReportFormatError:
         return
     rep.table()
     first = _saved(rep)
-    assert _saved(reportformat.from_dict(first)) == first
+    assert _saved(Report.from_dict(first)) == first
 
 
 _FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -253,7 +253,7 @@ def test_an_exact_value_that_is_a_float64_number_is_judged_as_mpmath_judges_it()
     movement), the judge takes its differences in float64 arithmetic: the same numbers as mpmath's exact
     difference rounded once to nearest, exponent gaps and ties to even included."""
     from shadow.references import Exact
-    from shadow.spot.verdict import _abs_diff, _judge
+    from shadow.spot.verdict import _abs_diff, judge_sample
 
     gen = torch.Generator().manual_seed(0)
     mant = torch.randint(1, 2**53, (3000,), generator=gen, dtype=torch.int64).tolist()
@@ -267,7 +267,7 @@ def test_an_exact_value_that_is_a_float64_number_is_judged_as_mpmath_judges_it()
         if abs(x) < 2.0**-1022:
             continue
         for r, y in ((a, x), (x, a), (-a, x)):
-            s = _judge(Exact.plain(mpmath.mpf(x)), r, y, f32, 0, (0,))
+            s = judge_sample(Exact.plain(mpmath.mpf(x)), r, y, f32, 0, (0,))
             assert s.exact == x
             assert s.ref_err_ulp * 2.0 ** (math.frexp(x)[1] - 53) == _abs_diff(r, mpmath.mpf(x)), (x, r)
             if math.isfinite(y):

@@ -9,8 +9,9 @@ from torch import nn
 from shadow import ShadowMode
 from shadow.modes import TF32Mode
 from shadow.records import BudgetInfo, Kind, Phase, Record
-from shadow.report import LEGEND, Report
-from shadow.trajectory import StepDrift
+from shadow.records import StepDrift
+from shadow.report import Report
+from shadow.tables import LEGEND
 from shadow.verdict import OpClass, arithmetic, conclude, op_class, times
 
 

@@ -187,8 +187,8 @@ def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
         with sm:
             out = step()
             sm._attr.callsites.bind()  # the step's last op: its outputs have their autograd nodes now
-            values = _targets(out, target)
-            t_dev, t_64 = _read(values, sm)
+            values = step_targets(out, target)
+            t_dev, t_64 = read_targets(values, sm)
             with _own():
                 direction = along(t_dev - t_64)
             factor = _linear_factor(values, adjoints, sm, direction) if direction is not None else 0.0
@@ -267,8 +267,8 @@ def _ablation(step: Callable[[], Any], by: str, target: Any, options: dict) -> A
     state = StepState()
     sm = ShadowMode(**options)
     with state.learning(), sm:
-        values = _targets(step(), target)
-        t_dev, t_64 = _read(values, sm)
+        values = step_targets(step(), target)
+        t_dev, t_64 = read_targets(values, sm)
     after = state.save()  # as after one ordinary step: where the user's objects are left
     rep = sm.report
     with _own():
@@ -307,8 +307,8 @@ def _share_removed(step: Callable[[], Any], target: Any, state: StepState, world
     state.restore(state.start)
     sm = ShadowMode(spot_checks="off", budgets=False, max_records=0, hooks=EngineHooks(world=world))
     with sm:
-        values = _targets(step(), target)
-        t_world = _read(values, sm)[1]
+        values = step_targets(step(), target)
+        t_world = read_targets(values, sm)[1]
     with _own():
         return float(torch.dot(d - (t_world - t_64), d)) / dd
 
@@ -331,7 +331,7 @@ def _erring_keys(rep: Report, by: str) -> tuple[set[str], dict[str, int]]:
 
 
 # --- shared ---
-def _targets(out: Any, target: Any) -> list[torch.Tensor]:
+def step_targets(out: Any, target: Any) -> list[torch.Tensor]:
     """The target tensors, read after the step: ``target`` if given, else the step's return."""
     what = target if target is not None else out
     if callable(what) and not isinstance(what, torch.nn.Module):
@@ -348,7 +348,7 @@ def _targets(out: Any, target: Any) -> list[torch.Tensor]:
     return values
 
 
-def _read(values: list[torch.Tensor], sm: ShadowMode | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def read_targets(values: list[torch.Tensor], sm: ShadowMode | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's device values and (with ``sm``) its shadow, flattened to one float64 vector each."""
     with _own():
         dev = torch.cat([copy(v, torch.float64, "cpu").reshape(-1) for v in values])

@@ -1,6 +1,6 @@
 """Which module, phase and line of the user's code each op call belongs to.
 
-Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker`` (``_Tracker``: pass-through
+Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker`` (``Tracker``: pass-through
 modules and leaf inputs handled); the optimizer phase from the optimizer step hooks, where parameter (and
 gradient, optimizer state) storages are mapped to the parameter's dotted name so optimizer ops are charged to
 it; each op of a step (``where``, from all of its arguments and its outputs) names its fresh outputs too. Call
@@ -30,7 +30,7 @@ _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.d
 _NODE_KEY = "shadow.callsite"  # the key under which a forward op's call site is kept in its autograd node
 
 
-class _Tracker(ModuleTracker):
+class Tracker(ModuleTracker):
     """ModuleTracker with three changes to its backward hooks.
 
     A module's backward exit is hooked on its non-leaf inputs only: torch's own hooks leaf inputs too, and
@@ -83,7 +83,7 @@ class _Tracker(ModuleTracker):
     def innermost(self) -> str:
         """The innermost running module ("" outside any)."""
         if self._innermost is None:
-            self._innermost = _innermost(self._parents)
+            self._innermost = innermost_of(self._parents)
         return self._innermost
 
     def _get_mod_name(self, mod: torch.nn.Module) -> str:
@@ -183,7 +183,7 @@ def _compiled(mod: torch.nn.Module) -> bool:
     return (optimized is not None and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None) is not None
 
 
-def _innermost(parents: set[str]) -> str:
+def innermost_of(parents: set[str]) -> str:
     names = [p for p in parents if p != "Global"]
     if not names:
         return ""
@@ -381,7 +381,7 @@ class Attribution:
 
     def __init__(self, on_compiled: Callable[[str, torch.nn.Module], None] | None = None,
                  callsites: bool = True) -> None:
-        self._tracker = _Tracker()
+        self._tracker = Tracker()
         self._tracker.on_compiled = on_compiled
         self._steps = _StepNames()
         self._handles: list = []

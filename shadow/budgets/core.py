@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..metrics import ErrorStats, _fused, precision_bits, spacing
+from ..metrics import ErrorStats, fused_bounds, precision_bits, spacing
 from ..plan import OpPlan, plan_of
 from ..replay.table import pooled_call
 from ..rules import RuleTable
@@ -197,7 +197,7 @@ class Budget:
     to it; ``None`` for discrete outputs), computed on first access; ``is_default``: no rule knows this op and the
     bound is a guess of a few ulps; ``ulps``: set when the bound is exactly ``ulps`` units in the last
     place of the output (``ulps * spacing(|r|)``), so ``budget_used = max_ulp / ulps`` needs no tensor. A rule
-    may give formulas instead (``of_formulas``, ``UlpsPlus``): ``compared`` hands them to the comparison, which
+    may give formulas instead (``of_formulas``, ``UlpsPlus``): ``divisors`` hands them to the comparison, which
     forms the bound where it reads the result, and ``bound`` computes their tensors for every other reader.
 
     >>> r = torch.tensor([1.0, 3.0], dtype=torch.float64)
@@ -232,7 +232,7 @@ class Budget:
     def of_formulas(cls, family: str, formulas: Callable[[], Sequence[UlpsPlus | torch.Tensor | None]], *,
                     outputs: Sequence[Any], dtype: torch.dtype, scratch: Any = None) -> Budget:
         """A bound given per output as an ``UlpsPlus`` (or a tensor, or None), built on first use: the
-        comparison reads the formulas (``compared``), ``bound`` computes their tensors."""
+        comparison reads the formulas (``divisors``), ``bound`` computes their tensors."""
         def make() -> list:
             return [f.tensor(r, out=_empty(scratch, r)) if isinstance(f, UlpsPlus) else f
                     for f, r in zip(budget.formulas(), outputs)]
@@ -240,7 +240,7 @@ class Budget:
         return budget
 
     @property
-    def compared(self) -> tuple[UlpsPlus | torch.Tensor | None, ...]:
+    def divisors(self) -> tuple[UlpsPlus | torch.Tensor | None, ...]:
         """Per output what the comparison divides the error by: ``bound``'s tensors, or for a rule that gives
         formulas, its ``UlpsPlus`` (formed element by element where the comparison reads the reference)."""
         if self._formulas is None or self._bound is not None:
@@ -345,7 +345,7 @@ def add_into(b: torch.Tensor, t: Any, alpha: float = 1.0) -> torch.Tensor:
 def magnitude_of(a: torch.Tensor, out: torch.Tensor, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
     """``out`` (a real temporary of the bound, a's shape) set to |a| * scale + offset: in one numba pass where
     it reads the tensors (``shadow._fused.magnitude``, the same values bit for bit), else torch's three."""
-    if _fused is None or not _fused.magnitude(a, out, scale, offset):
+    if fused_bounds is None or not fused_bounds.magnitude(a, out, scale, offset):
         torch.abs(a, out=out).mul_(scale).add_(offset)
     return out
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..metrics import _fused
+from ..metrics import fused_bounds
 from ..opsets import CONVOLUTIONS, MATMULS
 from ..plan import OpPlan
 from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, aten, coefficient, gamma, is_float,
@@ -51,7 +51,7 @@ def _sq_sums(c: BudgetCall, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """|t|**2 summed along t's rows and down its columns (dims -1 and -2, keepdim): the bound reads a matmul's
     operands one way and the scale the other, so both come from one read where the fused pass reads t
     (``_fused.squares``: a 2-D float64 matrix, by rows or by columns), else from ``_sq_sum``."""
-    both = None if _fused is None else _fused.squares(t)
+    both = None if fused_bounds is None else fused_bounds.squares(t)
     return both if both is not None else (_sq_sum(c, t, -1), _sq_sum(c, t, -2))
 
 

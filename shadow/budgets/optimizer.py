@@ -100,4 +100,4 @@ def foreach_budget(c: BudgetCall) -> Budget:
                   outputs=c.outputs, dtype=c.dtype, is_default=any(b.is_default for b in subs),
                   ulps=ulps.pop() if len(ulps) == 1 else None,
                   scale_sq=lambda: tuple(map(sum, zip(*(b.scales() for b in subs)))),
-                  formulas=lambda: [b.compared[0] for b in subs])
+                  formulas=lambda: [b.divisors[0] for b in subs])

@@ -22,7 +22,7 @@ from ..mirror import SHADOW_DTYPES
 from ..plan import OpPlan, plan_of
 from ..records import Kind
 from ..replay import REPLAY, Replay
-from ..replay.rules import random_rule
+from ..replay.noncompute import random_rule
 from ..rules import run_chain
 from ..scratch import copy
 

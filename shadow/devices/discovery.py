@@ -90,7 +90,7 @@ def discover() -> list[Backend]:
                 warnings.simplefilter("ignore")
                 backend = probe()
         except Exception as exc:  # a broken backend is a finding, never an error
-            backend = Backend(name, False, f"probing it failed: {_describe(exc)}")
+            backend = Backend(name, False, f"probing it failed: {describe(exc)}")
         if backend is not None:
             found.append(backend)
     return found
@@ -138,7 +138,7 @@ def holds_dtype(device: torch.device | str, dtype: torch.dtype) -> bool:
     return _holds(torch.device(device).type, dtype)
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
@@ -178,14 +178,14 @@ def _cuda() -> Backend:
         try:
             n = torch.cuda.device_count()
         except Exception as exc:
-            return Backend("cuda", False, f"this torch is built with {api}, but the driver failed: {_describe(exc)}")
+            return Backend("cuda", False, f"this torch is built with {api}, but the driver failed: {describe(exc)}")
     if n == 0:
         why = " ".join(str(caught[-1].message).split()) if caught else ""  # "CUDA initialization: ..."
         if not why:  # the driver's own words: initialization names the cause (no driver, no device, a mismatch)
             try:
                 torch.cuda.init()
             except Exception as exc:
-                why = _describe(exc)
+                why = describe(exc)
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         if hidden is not None and not hidden.strip():
             why = f"CUDA_VISIBLE_DEVICES is empty{'; ' + why if why else ''}"
@@ -218,7 +218,7 @@ def _xpu() -> Backend:
     try:
         n = torch.xpu.device_count()
     except Exception as exc:
-        return Backend("xpu", False, f"this torch is built with XPU, but the driver failed: {_describe(exc)}")
+        return Backend("xpu", False, f"this torch is built with XPU, but the driver failed: {describe(exc)}")
     if n == 0:
         return Backend("xpu", False, "this torch is built with XPU, but finds no Intel GPU (check its driver and the "
                                      "oneAPI runtime)")
@@ -260,7 +260,7 @@ def _directml() -> Backend:
         dml = _import_module("torch_directml")
     except Exception as exc:
         return Backend("directml", False, f"{installed} found an adapter in a child process, but importing it "
-                                          f"here failed: {_describe(exc)}")
+                                          f"here failed: {describe(exc)}")
     n, fp64 = found["count"], bool(found["float64"])
     reason = f"{installed}, {n} DirectX 12 adapter{'s' if n > 1 else ''}" + \
         ("" if fp64 else "; no float64 on the device (shadows live on the CPU anyway)")
@@ -293,7 +293,7 @@ def _privateuse1() -> Backend | None:
         torch.empty(0, dtype=torch.float64, device=device)
         fp64, no_fp64 = True, ""
     except Exception as exc:
-        fp64, no_fp64 = False, f"; no float64 on the device ({_describe(exc)})"
+        fp64, no_fp64 = False, f"; no float64 on the device ({describe(exc)})"
     rest = "the others run through its CPU fallback" if fallback else "no CPU fallback: the others raise"
     devices = f"{count} device{'s' if count != 1 else ''}, " if count is not None else ""
     reason = f"a PrivateUse1 backend registered in this process: {devices}{ops} aten ops with kernels of its own, " \

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .discovery import _describe
+from .discovery import describe
 
 
 def _attr(path: str) -> Callable[[], Any]:
@@ -91,6 +91,6 @@ def numerics_settings() -> dict[str, Any]:
         except AttributeError:  # not in this torch
             continue
         except Exception as exc:  # e.g. a legacy TF32 flag read after the fp32_precision API was used
-            value = f"error: {_describe(exc)}"
+            value = f"error: {describe(exc)}"
         out[name] = value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
     return out

@@ -9,7 +9,7 @@ One call runs through flat steps, each a function that returns an immutable type
   (the local error's);
 - ``outputs.read_outputs`` -> ``Outputs`` (``outputs.direct_outputs``: the same values, read faster for the calls
   of most ops);
-- ``judge.judge`` -> ``Verdict``: the comparisons, the budget (``budget``), the spot check (``spotcheck``);
+- ``judge.judge`` -> ``Judged``: the comparisons, the budget (``budget``), the spot check (``spotcheck``);
 - ``commit.commit``: the shadows the mirror keeps; ``record.record``: the ``Record``, by keyword.
 
 ``conclude.conclude`` is the one conclusion path. ``EngineHooks`` is how the scope, the trajectory,

@@ -45,7 +45,7 @@ def with_bounds(engine: Engine, prepared: Prepared, budget: Budget | None) -> Bu
     """``budget`` once the bounds the comparisons read are built (bounds are built lazily: None when the rule
     fails there, which costs the call its budget only); budgets in ulps need no bounds."""
     if budget is not None and budget.ulps is None:
-        return guarded(engine, prepared, budget, lambda: budget.compared)
+        return guarded(engine, prepared, budget, lambda: budget.divisors)
     return budget
 
 

@@ -72,10 +72,10 @@ def conclude(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out:
              outputs: Outputs, at: tuple | None = None) -> None:
     """Judge, commit, record and observe a replayed call (``at``: where a deferred call was made)."""
     plan, hooks = prepared.plan, engine.hooks
-    verdict = judge(engine, prepared, outputs, out, replayed.local if prepared.local is not None else replayed.shadow)
+    judged = judge(engine, prepared, outputs, out, replayed.local if prepared.local is not None else replayed.shadow)
     if at is None:
         at = engine.attribution.where(plan.func, args, kwargs, out, engine.index, prepared.inputs)
-    compared = verdict.compared
+    compared = judged.compared
     if hooks.world is not None and replayed.kind is not Kind.RANDOM:
         how = hooks.world(plan.name, *at)
         if how is not None:
@@ -85,7 +85,7 @@ def conclude(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out:
     cpu = cpu_error(prepared, outputs) if prepared.cpu is not None and replayed.kind is not Kind.RANDOM else None
     result = outputs.items[0].device if outputs.plain else \
         next((o.device for o in outputs.items if isinstance(o.device, torch.Tensor)), None)
-    rec = record(engine, plan, replayed.kind, args, kwargs, out, verdict=verdict, item=outputs.item,
+    rec = record(engine, plan, replayed.kind, args, kwargs, out, judged=judged, item=outputs.item,
                  inputs=prepared.inputs, cpu=cpu, result=result, nonfinite_in=prepared.nonfinite_in,
                  inputs_drift=prepared.inputs_drift,
                  at=at)

@@ -16,7 +16,7 @@ from ..options import Options
 from ..plan import OpPlan, plan_of
 from ..records import Kind
 from ..replay import REPLAY, view_rule
-from ..report import Report
+from ..reportdata import ReportData
 from ..scratch import Scratch
 from ..spot import SpotPolicy
 from ..transfer import HostCopies
@@ -63,7 +63,7 @@ class Engine:
     below sees it); no op it cannot replay and no error of its own ever reaches the user's program; every op is seen
     and recorded."""
 
-    def __init__(self, options: Options, report: Report, attribution: Attribution,
+    def __init__(self, options: Options, report: ReportData, attribution: Attribution,
                  hooks: EngineHooks = EngineHooks()):
         self.options = options
         self.report = report

@@ -1,4 +1,4 @@
-"""Judging, the one place that turns a call's outputs into figures (``Verdict``): every output compared once per
+"""Judging, the one place that turns a call's outputs into figures (``Judged``): every output compared once per
 reference (``shadow.metrics``), only where the op defines its elements, held to the op's budget, with its
 effective bits and the spot check of its reference."""
 
@@ -13,15 +13,14 @@ import torch
 from .. import nested
 from ..budgets import Budget
 from ..errors import Unsupported
-from ..metrics import ErrorStats, compare, compare_pair, count_flips
+from ..metrics import ErrorStats, compare, compare_pair, count_flips, merged
 from ..mirror import SHADOW_DTYPES
 from ..plan import flat_returns
 from ..records import BudgetInfo
-from ..report import merged
 from ..spot import SpotStats
 from .budget import budget_of_outputs, guarded, with_bounds
 from .spotcheck import apply_corrections, spot_check
-from .values import Compared, Output, Outputs, Prepared, Verdict
+from .values import Compared, Judged, Output, Outputs, Prepared
 
 if TYPE_CHECKING:
     from .core import Engine
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
 _INF = math.inf
 
 
-def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, references: Any) -> Verdict:
+def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, references: Any) -> Judged:
     """Every output compared with its shadow (drift) and its local reference (``references``: the replay's outputs
     the local error is measured against), held to the op's budget (``budget_used``: max |error| / bound, or
     max_ulp / ulps for budgets in ulps), with its effective bits, after the spot check of the reference, whose
@@ -53,7 +52,7 @@ def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, refere
                                  o.device.dtype, *_bound(budget, o.slot)) for o in items)
     else:
         compared = tuple(_compare(engine, prepared, o, outputs, budget) for o in items)
-    return verdict(engine, prepared, compared, budget, spot)
+    return merged_figures(engine, prepared, compared, budget, spot)
 
 
 def _compare(engine: Engine, prepared: Prepared, o: Output, outputs: Outputs, budget: Budget | None) -> Compared:
@@ -129,7 +128,7 @@ def _bound(budget: Budget | None, slot: int | None) -> tuple[Any, float | None]:
         return None, None
     if budget.ulps is not None:
         return None, budget.ulps
-    bounds = budget.compared  # tensors, or formulas the comparison forms where it reads the reference
+    bounds = budget.divisors  # tensors, or formulas the comparison forms where it reads the reference
     return (bounds[slot] if slot < len(bounds) else None), None
 
 
@@ -169,8 +168,8 @@ def figures(engine: Engine, keep: Any, device: torch.Tensor, shadow: torch.Tenso
                     nonfinite=seen is not None and seen.device_nonfinite > 0, skipped=skipped)
 
 
-def verdict(engine: Engine, prepared: Prepared, compared: tuple[Compared, ...], budget: Budget | None,
-            spot: SpotStats | None) -> Verdict:
+def merged_figures(engine: Engine, prepared: Prepared, compared: tuple[Compared, ...], budget: Budget | None,
+                   spot: SpotStats | None) -> Judged:
     """The call's figures merged over its outputs, its effective bits and its budget's use."""
     if len(compared) == 1:  # most calls: the one output's figures are the call's
         c = compared[0]
@@ -192,7 +191,7 @@ def verdict(engine: Engine, prepared: Prepared, compared: tuple[Compared, ...], 
             local.effective_bits = budget.bits(local, whole) if prepared.fixed is not None else \
                 guarded(engine, prepared, None, lambda: budget.bits(local, whole))
         info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
-    return Verdict(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
+    return Judged(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 
 
 def cpu_error(prepared: Prepared, outputs: Outputs) -> ErrorStats | None:

@@ -11,14 +11,14 @@ from ..devices import cpu_fallback
 from ..metrics import ErrorStats
 from ..plan import OpPlan, flat_returns
 from ..records import Kind, Record
-from .values import Verdict
+from .values import Judged
 
 if TYPE_CHECKING:
     from .core import Engine
 
 
 def record(engine: Engine, plan: OpPlan, kind: Kind, args: tuple, kwargs: dict, out: Any, *,
-           verdict: Verdict | None = None, item: tuple | None = None, reason: str = "", inputs: list = (),
+           judged: Judged | None = None, item: tuple | None = None, reason: str = "", inputs: list = (),
            cpu: ErrorStats | None = None, result: Any = False, nonfinite_in: bool = False, inputs_drift: float = 0.0,
            at: tuple | None = None) -> Record:
     """Record the call ``engine.index``. ``result``: the call's first tensor result, when the caller knows it
@@ -35,10 +35,10 @@ def record(engine: Engine, plan: OpPlan, kind: Kind, args: tuple, kwargs: dict, 
     _init_record(rec, index=engine.index, op=plan.name, module=module, phase=phase, kind=kind, item=item,
                  reason=reason, cpu_fallback=fallback, cpu=cpu, dtype=dtype, shape=shape, callsite=site,
                  inputs_nonfinite=nonfinite_in, inputs_drift=inputs_drift)
-    if verdict is not None:  # its figures, by name: a call of more than 15 keywords would build a dict and unpack it
-        rec.local, rec.drift, rec.budget, rec.spot = verdict.local, verdict.drift, verdict.budget, verdict.spot
+    if judged is not None:  # its figures, by name: a call of more than 15 keywords would build a dict and unpack it
+        rec.local, rec.drift, rec.budget, rec.spot = judged.local, judged.drift, judged.budget, judged.spot
         rec.flips, rec.local_flips, rec.shape_mismatch, rec.skipped = \
-            verdict.flips, verdict.local_flips, verdict.mismatch, verdict.skipped
+            judged.flips, judged.local_flips, judged.mismatch, judged.skipped
     engine.index += 1
     engine.report.add(rec)
     recorded = engine.hooks.recorded

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..budgets import Budget
-from ..metrics import _fused  # the numba kernels (None without numba)
+from ..metrics import fused_bounds  # the numba kernels (None without numba)
 from ..plan import OpPlan, flat_returns
 from ..scratch import Scratch
 from ..spot import SpotStats
@@ -91,7 +91,7 @@ class Condition:
         return self.r.numel()
 
     def top(self, n: int) -> list[int]:
-        i = _fused.largest_ratio(self.bound, self.r) if n == 1 and _fused is not None else None
+        i = fused_bounds.largest_ratio(self.bound, self.r) if n == 1 and fused_bounds is not None else None
         if i is not None:
             return [] if i < 0 else [i]
         return top_positions(self.tensor(), n)

@@ -1,7 +1,7 @@
 """The typed values one op call hands from step to step (``shadow.engine``): each is built once and never changed.
 
 prepare -> ``Prepared``; the replays -> ``Replayed``; the outputs read -> ``Outputs`` of ``Output``; the spot
-check -> ``SpotCheck`` with its ``Correction``s; judging -> ``Verdict`` of ``Compared``.
+check -> ``SpotCheck`` with its ``Correction``s; judging -> ``Judged`` of ``Compared``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Compared(NamedTuple):
     skipped: int = 0  # elements not compared: the op leaves them undefined
 
 
-class Verdict(NamedTuple):
+class Judged(NamedTuple):
     """The judged call: merged figures over every output."""
 
     local: ErrorStats | None

@@ -15,7 +15,7 @@ import torch
 from ..devices import holds_dtype
 from ..errors import ShadowOptionError
 from ..plan import OpPlan, flat_returns, plan_of
-from .emulate._utils import _floating
+from .emulate import is_floating
 from .select import Selecting, Selection
 
 _no_dispatch = torch._C._DisableTorchDispatch  # the fault's own arithmetic must reach no mode
@@ -90,7 +90,7 @@ class FaultMode(Selecting):
         argument)."""
         targets = [t for _, t in plan.tensors(args, kwargs, plan.writes)]
         targets += [t for spec, t in flat_returns(plan, out) if not (spec.aliases_write or spec.aliases_read)]
-        targets = [t for t in targets if isinstance(t, torch.Tensor) and _floating(t) and t.numel()]
+        targets = [t for t in targets if isinstance(t, torch.Tensor) and is_floating(t) and t.numel()]
         for t in targets:
             # the product in float64 where float64 exists (a DirectML tensor's on the CPU), rounded once to t's dtype
             home = t.device if holds_dtype(t.device, torch.float64) else torch.device("cpu")

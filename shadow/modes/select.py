@@ -12,11 +12,10 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..attribution.tracking import _innermost, _Tracker
+from ..attribution.tracking import Tracker, innermost_of
 from ..errors import ShadowOptionError
 from ..plan import plan_of
-from .emulate._mode import Emulation, require_outside_shadow
-from .emulate._utils import computes, overloads
+from .emulate import Emulation, computes, overloads, require_outside_shadow
 
 OP_FORMS = ("an OpOverload (torch.ops.aten.gelu.default), an OpOverloadPacket (torch.ops.aten.gelu) or an aten op "
             "name ('aten.gelu', 'gelu', 'aten.gelu.default'; a name or packet takes every overload and the "
@@ -42,7 +41,7 @@ class Selection:
         # with innermost, "" is the calls outside any module (the loss, the optimizer), as records name them
         self.module = None if module is None else module if innermost and module == "" else _check_module(owner,
                                                                                                          module)
-        self._tracker = _Tracker() if module is not None else None
+        self._tracker = Tracker() if module is not None else None
         self._innermost = innermost  # the module's own calls only, not its submodules'
 
     def __enter__(self) -> Selection:
@@ -66,7 +65,7 @@ class Selection:
             return True
         name = self.module if isinstance(self.module, str) else self._tracker._known_modules.get(self.module)
         parents = self._tracker.parents
-        return _innermost(parents) == name if self._innermost else name in parents
+        return innermost_of(parents) == name if self._innermost else name in parents
 
 
 class Selecting(TorchDispatchMode):

@@ -25,7 +25,7 @@ from ..trajectory import Trajectory
 _GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
 
-class _ShadowDispatch(TorchDispatchMode):
+class ShadowDispatch(TorchDispatchMode):
     def __init__(self, engine: Engine, graphs: hooks.Graphs):
         super().__init__()
         self._engine = engine
@@ -72,7 +72,7 @@ class _ShadowDispatch(TorchDispatchMode):
 
 
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
-_GRAPHS_SHOWN = hooks.install(_ShadowDispatch)  # this torch runs compiled graphs through Inductor's operator
+_GRAPHS_SHOWN = hooks.install(ShadowDispatch)  # this torch runs compiled graphs through Inductor's operator
 
 
 class _Scope:
@@ -149,7 +149,7 @@ class ShadowMode:
         self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
         self._adopting: dict = {}  # compiled modules whose outputs are adopted -> their hook
         self._graphs = hooks.Graphs(self.report.meta)  # the compiled graphs seen, by their compiled code
-        self._watch = hooks.Watch(_ShadowDispatch)  # what the block does so that compiled graphs reach the mode
+        self._watch = hooks.Watch(ShadowDispatch)  # what the block does so that compiled graphs reach the mode
         self._trajectory = Trajectory(self._attr.parameter_names)
         self.report.trajectory = self._trajectory.steps
         own = EngineHooks(recorded=self._trajectory.seen,
@@ -207,7 +207,7 @@ class ShadowMode:
         self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._trajectory.stepped(opt,
                                                                                                       self._engine))
         self._watch.start()
-        self._mode = _ShadowDispatch(self._engine, self._graphs)
+        self._mode = ShadowDispatch(self._engine, self._graphs)
         self._mode.__enter__()
         self._active = 1
         return self

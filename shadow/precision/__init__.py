@@ -11,58 +11,35 @@ ran alone in that precision (``onepass``), and that error is weighted by the flo
 precision are then run again one at a time, only that part emulated on the device (``shadow.modes.Scoped``), and
 measured in a float64 world where only that part's calls carry their error (``shadow.engine.commit.in_world``). Range
 risks come from the same first run (``shadow.precision.ranges``). ``AuditReport.plan(tolerance)`` picks a precision
-per part (``shadow.precision.plan``). docs/audit.md: what each figure means, and how they compare with direct runs.
+per part (``shadow.precision.lowering``). docs/audit.md: what each figure means, and how they compare with direct runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable
 
 import torch
 
-from ..attribution.share import adjoint_pass, _own, _read, _targets
+from ..attribution.share import adjoint_pass, read_targets, step_targets
 from ..attribution.state import StepState
 from ..engine import EngineHooks
 from ..errors import ShadowOptionError
-from ..modes.emulate import FP8Mode, TF32Mode
-from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format
 from ..modes.select import Scoped
 from ..modes.shadow import ShadowMode
 from ..records import Phase, Record
-from .held import Held
 from .onepass import Emulated
-from .plan import Plan, choose
+from .lowering import Plan, choose
+from .precisions import ORDER, PRECISIONS, Precision
 from .upcasts import Upcasts
 from .ranges import Ranges
 
 BY = ("module", "op")
 OUTSIDE = "(outside any module)"  # how tables name the part "": the calls outside any module (the loss, often)
+_no_dispatch = torch._C._DisableTorchDispatch
 
 
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    """A candidate precision: the emulated device a part runs on in it (bf16, fp16: held in the format, on the
-    device's kernels for it, ``shadow.precision.held``), its format (range risks), whether tensors are scaled
-    into it per tensor (FP8: no overflow), and its mantissa bits (the plan prefers fewer)."""
-
-    name: str
-    mode: Callable[[Upcasts], Any]
-    format: Format
-    scaled: bool
-    bits: int
-
-
-PRECISIONS: dict[str, Precision] = {  # mode(upcasts): the emulated device of a run whose upcasts are watched
-    "fp8": Precision("fp8", lambda upcasts: FP8Mode(), E4M3, True, 3),
-    "bf16": Precision("bf16", functools.partial(Held, BF16), BF16, False, 7),
-    "fp16": Precision("fp16", functools.partial(Held, FP16), FP16, False, 10),
-    "tf32": Precision("tf32", lambda upcasts: TF32Mode(), TF32, False, 10),
-}
-# the plan tries cheaper precisions first: fewer mantissa bits, then the narrower range (fp16 before tf32)
-ORDER = ("fp8", "bf16", "fp16", "tf32")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,7 +89,7 @@ class AuditReport:
         """The lowest precision per part such that the changes of the parts moved add up to at most half of
         ``tolerance`` (a relative change of the target; half: parts moved together interact), never a precision
         a part overflows, never the calls outside any module (the loss, the optimizer). By module subtrees: the
-        largest subtrees that fit, one line each (``shadow.precision.plan``)."""
+        largest subtrees that fit, one line each (``shadow.precision.lowering``)."""
         return choose(self, tolerance)
 
     def table(self, top: int | None = None) -> str:
@@ -256,9 +233,9 @@ def _verified(step: Callable[[], Any], target: Any, state: StepState, precision:
     sm = ShadowMode(spot_checks="off", budgets=False, drift=False, max_records=0, hooks=EngineHooks(world=world))
     upcasts = Upcasts()
     with upcasts, Scoped(precision.mode(upcasts), **scope), sm:
-        values = _targets(step(), target)
-        t_world = _read(values, sm)[1]
-    with _own():
+        values = step_targets(step(), target)
+        t_world = read_targets(values, sm)[1]
+    with _no_dispatch():  # shadow's own arithmetic: no mode sees it
         change = float(t_world[0]) - truth
     if not math.isfinite(change):
         return math.inf

@@ -29,8 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..devices import holds_dtype
 from ..modes.emulate import Emulation
-from ..modes.emulate._mode import Rule
-from ..modes.emulate._utils import computes, transform_io
+from ..modes.emulate import Rule, computes, transform_io
 from ..modes.emulate.formats import BF16, FP16, Format, round_to
 from ..plan import OpPlan, flat_returns
 from ..rules import RuleTable

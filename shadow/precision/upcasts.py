@@ -37,8 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..modes.emulate._mode import require_outside_shadow
-from ..modes.emulate._utils import computes
+from ..modes.emulate import computes, require_outside_shadow
 from ..plan import flat_returns, plan_of
 
 _CASTS = {torch.Tensor.float, torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as}

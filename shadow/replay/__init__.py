@@ -1,16 +1,16 @@
 """How each aten op is recomputed in float64: the rule table (``table``), the rules for views,
-uninitialized memory and randomness (``rules``), and fused device kernels with no float64 CPU kernel
+uninitialized memory and randomness (``noncompute``), and fused device kernels with no float64 CPU kernel
 (``attention``: the scaled-dot-product-attention family; ``kernels``: oneDNN LSTM, the fused LSTM and GRU
 cells)."""
 
 import torch
 
-from . import attention, kernels, rules  # noqa: F401  (their rules register in the table)
+from . import attention, kernels, noncompute  # noqa: F401  (their rules register in the table)
 
 if torch.distributed.is_available():  # the c10d collectives, replayed on shadow's own process groups
     from . import collectives  # noqa: F401
 from .defined import DEFINED, defined_regions  # noqa: F401  (which output elements an op defines)
-from .rules import EMPTY_OPS, view_rule
+from .noncompute import EMPTY_OPS, view_rule
 from .table import REPLAY, Replay, default_rule, register_predicate, register_rule
 
 __all__ = ["REPLAY", "Replay", "register_rule", "register_predicate", "default_rule", "view_rule", "EMPTY_OPS"]

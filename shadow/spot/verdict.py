@@ -17,7 +17,8 @@ from mpmath.libmp import finf, fnan, fninf, from_float, mpf_abs, mpf_sub, round_
 from ..errors import NoReference
 from ..metrics import precision_bits
 from ..references import DEFAULT_BITS, Exact, reference_for, to_float64, working_precision
-from ..references._table import READ_WHOLE
+from ..references import READ_WHOLE
+from ..savedform import COUNT, FIGURE, TEXT, Fields, Flag
 from ..scratch import copy
 
 aten = torch.ops.aten
@@ -57,18 +58,19 @@ class SpotStats:
         return self.samples > 0
 
     def to_dict(self) -> dict:
-        """The saved form (``shadow.reportformat.SPOT``)."""
-        from ..reportformat import SPOT
-
+        """The saved form (``SPOT``)."""
         return SPOT.write(self, "spot")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpotStats:
         """Inverse of ``to_dict``; also reads "inf"/"nan" strings (how saved reports write them). A malformed one
         raises ``ReportFormatError`` naming the field."""
-        from ..reportformat import SPOT
-
         return SPOT.read(d, "spot")
+
+
+SPOT = Fields("SpotStats", {  # the saved form (shadow.reportformat)
+    "samples": COUNT, "ref_err_ulp": FIGURE, "device_err_ulp": FIGURE, "device_err_abs": FIGURE,
+    "max_cancellation": FIGURE, "trusted": Flag(), "reason": TEXT}, SpotStats)
 
 
 # not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__ (5x the cost)
@@ -117,7 +119,7 @@ def _same_special(a: float, x: float) -> bool:
     return (math.isnan(a) and math.isnan(x)) or a == x
 
 
-def _judge(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index: tuple[int, ...]) -> Sample:
+def judge_sample(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, index: tuple[int, ...]) -> Sample:
     """One element's errors and verdict (the rule of the module docstring)."""
     x = e.value
     xraw = x._mpf_
@@ -221,7 +223,7 @@ def spot_check(
                 except Exception as exc:  # noqa: BLE001 -- a rule's failure loses this element, never the op's record
                     why = f"reference rule failed at output {k} index {index}: {type(exc).__name__}: {exc}"
                     continue
-                samples.append(_judge(e, rv, y, dtype, k, index))
+                samples.append(judge_sample(e, rv, y, dtype, k, index))
     return samples, why
 
 

@@ -31,6 +31,9 @@ docs/hardware-numerics.md.
 
 from ...errors import EmulationOrderError
 from ._mode import EMULATIONS, Emulation, emulate
+# for the modes built on the emulations' machinery elsewhere in shadow (modes.select, modes.faults, precision)
+from ._mode import Rule, require_outside_shadow  # noqa: F401
+from ._utils import computes, is_floating, overloads, transform_io  # noqa: F401
 from .bf16 import BF16Mode
 from .formats import BF16, E4M3, E5M2, FP16, TF32, Format, Rounding, flush_subnormals, round_to, to_tf32
 from .fp8 import FP8Mode

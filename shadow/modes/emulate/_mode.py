@@ -95,9 +95,9 @@ class Emulation(TorchDispatchMode):
 def require_outside_shadow(built: str) -> None:
     """A device-side mode (an emulation, a fault) is being entered: refuse if a ShadowMode is active, since the
     mode would then sit above ShadowMode, which would see its internal ops. ``built``: how the mode was built."""
-    from ..shadow import _ShadowDispatch
+    from ..shadow import ShadowDispatch
 
-    if any(isinstance(m, _ShadowDispatch) for m in _get_current_dispatch_mode_stack()):
+    if any(isinstance(m, ShadowDispatch) for m in _get_current_dispatch_mode_stack()):
         raise EmulationOrderError(built)
 
 

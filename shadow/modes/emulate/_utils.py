@@ -36,12 +36,12 @@ def computes(plan: OpPlan) -> bool:
             and torch.Tag.inplace_view not in plan.tags and not any(r.aliases_read for r in plan.returns))
 
 
-def _floating(t: torch.Tensor) -> bool:
+def is_floating(t: torch.Tensor) -> bool:
     return (t.is_floating_point() or t.is_complex()) and not t._is_zerotensor()  # a zero tensor has no memory
 
 
 def _in_place(fn: Callable[[torch.Tensor], torch.Tensor], t: Any) -> None:
-    if isinstance(t, torch.Tensor) and _floating(t) and t.numel():
+    if isinstance(t, torch.Tensor) and is_floating(t) and t.numel():
         t.copy_(fn(t))
 
 
@@ -53,7 +53,7 @@ def transform_io(fn: Callable[[torch.Tensor], torch.Tensor], plan: OpPlan, args:
     that write part of their destination pass through)."""
     for _, t in plan.tensors(args, kwargs, tuple(s for s in plan.writes if s.index not in plan.out_args)):
         _in_place(fn, t)
-    args, kwargs = plan.map_tensors(args, kwargs, lambda t, _: fn(t) if _floating(t) else t, skip=plan.write_args)
+    args, kwargs = plan.map_tensors(args, kwargs, lambda t, _: fn(t) if is_floating(t) else t, skip=plan.write_args)
     out = plan.func(*args, **kwargs)
     for _, t in plan.tensors(args, kwargs, plan.writes):
         _in_place(fn, t)

@@ -1,9 +1,9 @@
-"""Two reports of the same program (DirectML against CPU, bfloat16 against float32, two library versions): which
+"""Two reports of the same program (``shadow compare A B``; DirectML against CPU, bfloat16 against float32, two library versions): which
 ops and modules got worse in the second, and by how much.
 
 The programs must agree: their per-call records are matched in order by (op, module, phase, shape) (``align``:
 calls one run adds, such as autocast's casts, are skipped over rather than misalign the rest, and a step is never
-matched with the next), and when too few calls match the reports are refused (``CompareError``). The per-op and
+matched with the next), and when too few calls match the reports are refused (``ReportDiffError``). The per-op and
 per-module figures come from the aggregates, which cover every call even where records were capped; the matched
 calls add the individual calls that got worse.
 
@@ -11,10 +11,10 @@ Own error is judged by budget use (the worst call's local error over its a-prior
 rule by their local ulp): it names the kernels that changed. Drift is reported apart: a kernel that got worse
 makes the drift of everything downstream worse too.
 
->>> cmp = compare(shadow.load_report("fp32.json"), shadow.load_report("tf32.json"))   # doctest: +SKIP
->>> [c.key for c in cmp.worse("op")]                                                  # doctest: +SKIP
+>>> diff = diff_reports(shadow.load_report("fp32.json"), shadow.load_report("tf32.json"))  # doctest: +SKIP
+>>> [c.key for c in diff.worse("op")]                                                  # doctest: +SKIP
 ['aten.mm.default', 'aten.addmm.default']
->>> print(cmp.text)                                                                    # doctest: +SKIP
+>>> print(diff.text)                                                                    # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import difflib
 import math
 from collections import Counter
 
-from .compiled.compare import GraphChange, match_calls
-from .report import Aggregate, Report
+from .compiled.matching import GraphChange, match_calls
+from .records import Aggregate
+from .reportdata import ReportData
 from .verdict import op_class, times
 
 FACTOR = 2.0  # a figure that moved by this factor or more changed (error figures between correct kernels vary less)
@@ -35,7 +36,7 @@ MIN_MATCH = 0.5  # the share of calls that must match in order for two reports t
 _SHOWN = 10  # rows per list in the text
 
 
-class CompareError(ValueError):
+class ReportDiffError(ValueError):
     """The two reports cannot be compared (not of the same program); the message says why and what to do."""
 
 
@@ -149,7 +150,7 @@ class CallChange:
 
 
 @dataclasses.dataclass(frozen=True)
-class Comparison:
+class ReportDiff:
     """The comparison of report B against report A. ``worse``/``better`` pick the changes; ``lines``/``text``
     render them."""
 
@@ -265,14 +266,14 @@ class Comparison:
         return "\n".join(self.lines)
 
 
-def compare(a: Report, b: Report, *, factor: float = FACTOR, floor: float = FLOOR,
-            min_match: float = MIN_MATCH) -> Comparison:
+def diff_reports(a: ReportData, b: ReportData, *, factor: float = FACTOR, floor: float = FLOOR,
+                 min_match: float = MIN_MATCH) -> ReportDiff:
     """Compare report ``b`` against ``a`` (see the module docstring). ``factor``: how much a figure must move to
     count; ``floor``: budget shares below which both sides are noise; ``min_match``: the share of calls that must
-    match in order, else ``CompareError``."""
+    match in order, else ``ReportDiffError``."""
     if not factor > 1:
         raise ValueError(f"factor={factor!r}: expected a number > 1")
-    # a compiled graph's call and the calls of the other run it stands for are matched as one (shadow.compiled.compare)
+    # a compiled graph's call and the calls of the other run it stands for are matched as one (shadow.compiled.matching)
     matched = match_calls(a.records, b.records, _token, align)
     graphs: tuple[GraphChange, ...] = ()
     covered: frozenset[str] = frozenset()  # ops whose every call a matched graph's call is or stands for
@@ -284,10 +285,10 @@ def compare(a: Report, b: Report, *, factor: float = FACTOR, floor: float = FLOO
         match = 2 * sum((ca & cb).values()) / total if total else 1.0
         pairs, only_a, only_b = [], Counter(), Counter()
     if match < min_match:
-        raise CompareError(f"the reports are not of the same program: only {match:.0%} of their op calls match in "
-                           f"order ({len(a.records) or a.coverage.calls} calls against "
-                           f"{len(b.records) or b.coverage.calls}); "
-                           "compare two runs of the same script with the same steps")
+        raise ReportDiffError(f"the reports are not of the same program: only {match:.0%} of their op calls match "
+                              f"in order ({len(a.records) or a.coverage.calls} calls against "
+                              f"{len(b.records) or b.coverage.calls}); "
+                              "compare two runs of the same script with the same steps")
 
     calls = []
     for i, j in pairs:
@@ -303,7 +304,7 @@ def compare(a: Report, b: Report, *, factor: float = FACTOR, floor: float = FLOO
     def changes(view_a: dict[str, Aggregate], view_b: dict[str, Aggregate]) -> tuple[Change, ...]:
         return tuple(Change(k, Figures.of(view_a[k]), Figures.of(view_b[k])) for k in sorted(view_a.keys() & view_b))
 
-    return Comparison(
+    return ReportDiff(
         calls_a=a.coverage.calls, calls_b=b.coverage.calls, records_a=len(a.records), records_b=len(b.records),
         matched=len(pairs), match=match, only_a=tuple(only_a.most_common()), only_b=tuple(only_b.most_common()),
         by_op=changes(a.by_op, b.by_op), by_module=changes(a.by_module, b.by_module),

@@ -1,5 +1,5 @@
-"""Replay rules for views and metadata (nothing to recompute), uninitialized memory (the device's bytes
-are the value) and randomness (never replayed: it would consume the device's generator)."""
+"""Replay rules for ops with nothing to recompute in float64: views and metadata, uninitialized memory (the
+device's bytes are the value) and randomness (never replayed: it would consume the device's generator)."""
 
 from __future__ import annotations
 

@@ -28,11 +28,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..attribution.tracking import _Tracker
+from ..attribution.tracking import Tracker
 from ..errors import ShadowOptionError
-from ..modes.emulate._mode import require_outside_shadow
-from ..modes.emulate._utils import computes
+from ..modes.emulate import computes, require_outside_shadow
 from ..plan import plan_of
+from .precisions import ORDER, PRECISIONS
 from .upcasts import Upcasts
 
 if TYPE_CHECKING:
@@ -120,22 +120,20 @@ class Plan:
     def check(self, step: Callable[[], Any], target: Any = None) -> float:
         """Run ``step`` once with the plan (as ``apply`` made it) under a ShadowMode: the relative change of the
         target against its float64 shadow. The user's objects are left as after that step."""
-        from ..attribution.share import _own, _read, _targets
+        from ..attribution.share import read_targets, step_targets
         from ..modes.shadow import ShadowMode
 
         if self._mode is None:
             raise ShadowOptionError("plan.check: apply the plan first (plan.apply(model)), then check the step")
         with self._mode, ShadowMode(spot_checks="off", budgets=False) as sm:
-            values = _targets(step(), target)
-            t_dev, t_64 = _read(values, sm)
-        with _own():
+            values = step_targets(step(), target)
+            t_dev, t_64 = read_targets(values, sm)
+        with torch._C._DisableTorchDispatch():  # shadow's own arithmetic: no mode sees it
             diff, norm = float(torch.linalg.vector_norm(t_dev - t_64)), float(torch.linalg.vector_norm(t_64))
         return diff / norm if norm else (math.inf if diff else 0.0)
 
 
 def choose(report: AuditReport, tolerance: float) -> Plan:
-    from . import ORDER
-
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
         raise ShadowOptionError(f"plan(tolerance={tolerance!r}): expected a relative change >= 0 (1e-3: 0.1 %)")
     chosen: dict[str, str] = {}
@@ -208,10 +206,8 @@ class PlanMode(TorchDispatchMode):
 
     def __init__(self, plan: Plan):
         super().__init__()
-        from . import PRECISIONS
-
         self.plan = plan
-        self._tracker = _Tracker() if plan.by == "module" else None
+        self._tracker = Tracker() if plan.by == "module" else None
         self._tree = plan.by == "module" and not plan.own
         self._upcasts = Upcasts()  # what the model holds in float32 stays there in a part held in bf16 or fp16
         self._emulations = {p: PRECISIONS[p].mode(self._upcasts) for p in set(plan.parts.values())}
