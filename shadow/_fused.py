@@ -1,7 +1,7 @@
 """One fused pass over a device result and its float64 reference: every figure ``shadow.metrics.compare``
 needs, from a single read of both, where the torch passes it replaces read each output nine times (issue 11).
 
-The figures follow ``shadow.metrics``'s definitions (README: Error units) operation for operation, so that
+The figures follow ``shadow.metrics``'s definitions (docs/error-units.md) operation for operation, so that
 maxima and counts equal the other paths' to the last bit: |y - r| is one rounding in either, and the ulp is
 |y - r| times the inverse of the spacing unit, a power of two, which rounds exactly as the division by the
 unit does. Sums are float64 within fixed-size chunks, the chunks' partials added in chunk order: the figures

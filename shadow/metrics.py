@@ -1,4 +1,4 @@
-"""The error units, defined once (README: Error units): abs, ulp, rel_norm, non-finite counts, flips."""
+"""The error units, defined once (docs/error-units.md): abs, ulp, rel_norm, non-finite counts, flips."""
 
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ EXACT = ("n", "max_abs", "max_ulp", "budget_used", "nonfinite_device", "nonfinit
 
 
 def _by_definition(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, bound: torch.Tensor | None) -> ErrorStats:
-    """ErrorStats by README: Error units, in plain float64 numpy, one figure at a time."""
+    """ErrorStats by docs/error-units.md, in plain float64 numpy, one figure at a time."""
     yn = y.double().reshape(-1).numpy()
     rn = r.reshape(-1).numpy()
     bn = None if bound is None else torch.broadcast_to(bound, r.shape).reshape(-1).numpy()

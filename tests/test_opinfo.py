@@ -39,7 +39,7 @@ DEFAULT_SAMPLES = 1
 SLOW_SAMPLES = 16  # every sample of every variant: ~25 min per dtype on 2 cores (max_pool2d alone has hundreds)
 
 # --- exclusions: why a float64 result may differ from its shadow, each with the evidence that shows it ---
-CAST = "explicit cast: the op rounds to {} inside; the float64 shadow does not (casts are findings: README)"
+CAST = "explicit cast: the op rounds to {} inside; the float64 shadow does not (casts are findings: docs/error-units.md)"
 # evidence: a floating tensor of a lower precision than float64 appears in the plain run's op calls
 UNINITIALIZED = "reads uninitialized memory ({}): with fresh memory NaN-filled, the difference goes away"
 # evidence: the plain and the shadowed run again, with torch.utils.deterministic.fill_uninitialized_memory
