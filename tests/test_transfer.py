@@ -61,15 +61,16 @@ def _chains(n: int, ops: int):
 @pytest.mark.parametrize("n", [4, 4096])  # the comparison's Python loop, and its fused pass
 def test_each_result_crosses_once(n):
     """Each result crosses once, for its comparisons (drift and local), and its copy serves the next op's local
-    replay: one crossing per op (the chains' first inputs are adopted exactly: no local replay reads them). With no
-    copy kept beyond the last batch, each op's input crosses again."""
+    replay: one crossing per op, and one per chain's first input (randn's draw, read over to be adopted). With no
+    copy kept beyond the last batch, each op's input crosses again (but the first: exact, no local replay reads
+    it)."""
     ops = 6
     _, far = _both(_chains(n, ops))
     copies = far._engine.copies
-    assert copies.transfers == 2 * ops and copies.batches == 2 * ops
+    assert copies.transfers == 2 * ops + 2 and copies.batches == 2 * ops + 2
     assert copies.held == 0  # freed when the block ends
     _, far = _both(_chains(n, ops), limit=0.0)
-    assert far._engine.copies.transfers == 2 * ops + 2 * (ops - 1)
+    assert far._engine.copies.transfers == 2 * ops + 2 + 2 * (ops - 1)
 
 
 def test_a_training_step_gives_the_default_figures():
@@ -104,10 +105,11 @@ def test_a_call_s_inputs_cross_in_one_batch():
 
     _, far = _both(step, limit=0.0)
     copies = far._engine.copies
-    # the three results one by one; a and b together (c's copy, the last batch's, is at hand); addcmul's result
-    assert (copies.transfers, copies.batches) == (3 + 2 + 1, 3 + 1 + 1)
+    # x's draw (adopted); the three results one by one; a and b together (c's copy, the last batch's, is at hand);
+    # addcmul's result
+    assert (copies.transfers, copies.batches) == (1 + 3 + 2 + 1, 1 + 3 + 1 + 1)
     _, far = _both(step)
-    assert (far._engine.copies.transfers, far._engine.copies.batches) == (4, 4)
+    assert (far._engine.copies.transfers, far._engine.copies.batches) == (5, 5)
 
 
 def test_a_write_between_reads_is_read_again():
@@ -184,8 +186,8 @@ def test_discrete_inputs_cross_once():
 
 def test_copies_kept_stay_within_their_limit():
     """400-byte results under a 1000-byte limit: two kept at most, enough for two chains; under 100 bytes, none
-    beyond the last batch."""
-    for limit, transfers in ((1000.0, 10), (100.0, 18)):
+    beyond the last batch. Each chain's first input, randn's draw, crosses to be adopted."""
+    for limit, transfers in ((1000.0, 2 + 10), (100.0, 2 + 18)):
         held = []
         sm = ShadowMode()
         with sm:
