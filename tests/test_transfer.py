@@ -95,6 +95,62 @@ def test_a_training_step_gives_the_default_figures():
     assert 0 < far._engine.copies.transfers < 2 * records
 
 
+def test_spot_checks_comparisons_and_the_trajectory_read_the_copies():
+    """With every shadow elsewhere, the device results a spot check samples, those the comparisons read (floating
+    and discrete) and the parameters and loss the trajectory reads are the copies brought over for them, each
+    storage version once: no reader of a device value goes around ``HostCopies`` (on DirectML each would be a copy
+    of its own, tests/test_privateuse1_engine.py counts them). The loss's copy is its comparison's."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step():
+        model.load_state_dict(state)
+        opt.state.clear()
+        x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
+        for _ in range(2):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            loss.argmax()  # a discrete result, compared by its flips
+
+    made, read = [], {}
+    real = transfer
+
+    def brought(tensors, to):
+        out = real(tensors, to)
+        made.extend(out)  # held: no storage address is reused by another tensor
+        return out
+
+    def reader(name, where, position):
+        original = getattr(*where)
+
+        def wrapped(*args, **kwargs):
+            values = args[position]
+            # float64: the numbers ops return (Adam's step.item()), compared as tensors made beside their shadows
+            read.setdefault(name, []).extend(v for v in (values if isinstance(values, list) else [values])
+                                             if isinstance(v, torch.Tensor) and v.dtype != torch.float64)
+            return original(*args, **kwargs)
+        return wrapped
+
+    import shadow.engine.judge as judge
+    import shadow.spot.policy as policy
+    import shadow.trajectory as trajectory
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("shadow.transfer.transfer", brought)
+        for name, where, position in (("spot check", (policy, "spot_check"), 3), ("figures", (judge, "figures"), 2),
+                                      ("flips", (judge, "count_flips"), 0), ("trajectory", (trajectory, "compare"), 0)):
+            mp.setattr(*where, reader(name, where, position))
+        sm = _run(step, True, spot_checks="all")
+    assert len(sm.report.trajectory) == 2 and sm.report.trajectory[0].loss is not None
+    copies = {c.untyped_storage().data_ptr() for c in made}
+    assert read.keys() == {"spot check", "figures", "flips", "trajectory"}
+    for name, tensors in read.items():
+        assert all(t.untyped_storage().data_ptr() in copies for t in tensors), name
+    assert sm._engine.copies.transfers == len(made)
+
+
 def test_a_call_s_inputs_cross_in_one_batch():
     """addcmul's inputs, results of earlier ops (inexact: its local replay reads them), none kept but the last
     batch: those without a copy cross in one batch. Kept, they do not cross again."""

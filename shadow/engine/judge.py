@@ -37,7 +37,8 @@ def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, refere
     budget = budget_of_outputs(engine, prepared, outputs) if prepared.budget else None
     spot = None
     if prepared.spot:
-        check = spot_check(engine, prepared, out, references, outputs.dtype, budget)
+        check = spot_check(engine, prepared, out, references, outputs.dtype, budget,
+                           (o.device for o in outputs.items))
         budget = check.budget
         spot = apply_corrections(engine, prepared.plan, references, check) if check.corrections else check.stats
     if budget is not None:
