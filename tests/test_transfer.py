@@ -73,33 +73,9 @@ def test_each_result_crosses_once(n):
     assert far._engine.copies.transfers == 2 * ops + 2 + 2 * (ops - 1)
 
 
-def test_a_training_step_gives_the_default_figures():
-    """Forward, backward and Adam's foreach ops (in place, on lists) with every shadow elsewhere: the figures of the
-    default path, with fewer crossings than reads."""
-    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def step():
-        model.load_state_dict(state)
-        opt.state.clear()
-        x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
-        for _ in range(2):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-
-    near, far = _both(step)
-    records = len(far.report.records)
-    assert records > 50
-    assert 0 < far._engine.copies.transfers < 2 * records
-
-
-def test_spot_checks_comparisons_and_the_trajectory_read_the_copies():
-    """With every shadow elsewhere, the device results a spot check samples, those the comparisons read (floating
-    and discrete) and the parameters and loss the trajectory reads are the copies brought over for them, each
-    storage version once: no reader of a device value goes around ``HostCopies`` (on DirectML each would be a copy
-    of its own, tests/test_privateuse1_engine.py counts them). The loss's copy is its comparison's."""
+def _training_steps(discrete: bool = False):
+    """Two Adam steps of a small MLP from the same start each time it is called; ``discrete``: each loss's argmax
+    too (a discrete result, compared by its flips)."""
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -113,8 +89,26 @@ def test_spot_checks_comparisons_and_the_trajectory_read_the_copies():
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
-            loss.argmax()  # a discrete result, compared by its flips
+            if discrete:
+                loss.argmax()
+    return step
 
+
+def test_a_training_step_gives_the_default_figures():
+    """Forward, backward and Adam's foreach ops (in place, on lists) with every shadow elsewhere: the figures of the
+    default path, with fewer crossings than reads."""
+    near, far = _both(_training_steps())
+    records = len(far.report.records)
+    assert records > 50
+    assert 0 < far._engine.copies.transfers < 2 * records
+
+
+def test_spot_checks_comparisons_and_the_trajectory_read_the_copies():
+    """With every shadow elsewhere, the device results a spot check samples, those the comparisons read (floating
+    and discrete) and the parameters and loss the trajectory reads are the copies brought over for them, each
+    storage version once: no reader of a device value goes around ``HostCopies`` (on DirectML each would be a copy
+    of its own, tests/test_privateuse1_engine.py counts them). The loss's copy is its comparison's."""
+    step = _training_steps(discrete=True)
     made, read = [], {}
     real = transfer
 
