@@ -385,9 +385,10 @@ class Mirror:
             base = value if value.dim() == 1 else value.reshape(-1)
         else:  # the output does not cover its storage: the rest is what the device holds
             base = copy(_storage_values(t, n), sd, self.place(t.device))
+            if numel != n:  # the device's values, read where they arrived, before t's region takes the shadow's
+                nonfinite = nonfinite or any_nonfinite(base)
             _write_region(base, t, value)
-        new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0,
-                     nonfinite if numel == n else nonfinite or any_nonfinite(_storage_values(t, n)))
+        new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0, nonfinite)
         new.drift = drift
         self._put(key, new)
         return new

@@ -51,27 +51,28 @@ class Trajectory:
             names = self._names()
             total = norm = 0.0
             worst, worst_drift = "", 0.0
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    try:
-                        diff, size = _distance(engine, p)
-                    except (KeyError, TypeError):  # never seen (a frozen parameter): no shadow to compare
-                        continue
-                    total, norm = total + diff * diff, norm + size * size
-                    own = diff / size if size else (math.inf if diff else 0.0)
-                    if own > worst_drift:
-                        worst, worst_drift = names.get(id(p), ""), own
+            stepped = [p for group in opt.param_groups for p in group["params"]]
+            for p in stepped:
+                try:
+                    diff, size = _distance(engine, p, stepped)
+                except (KeyError, TypeError):  # never seen (a frozen parameter): no shadow to compare
+                    continue
+                total, norm = total + diff * diff, norm + size * size
+                own = diff / size if size else (math.inf if diff else 0.0)
+                if own > worst_drift:
+                    worst, worst_drift = names.get(id(p), ""), own
         params = math.sqrt(total) / math.sqrt(norm) if norm else (math.inf if total else 0.0)
         self.steps.append(StepDrift(len(self.steps) + 1, value, drift, params, worst, worst_drift))
         self._last = self._loss = None
 
 
-def _distance(engine: Engine, p: torch.Tensor) -> tuple[float, float]:
-    """(||p - shadow||, ||shadow||) from one comparison pass over the parameter and its shadow where they lie
-    (a step of a large model: copies of both cost more than the step's own optimizer ops); NaN distance where
-    either holds a NaN or an infinity, as their difference would."""
+def _distance(engine: Engine, p: torch.Tensor, params: list[torch.Tensor]) -> tuple[float, float]:
+    """(||p - shadow||, ||shadow||) from one comparison pass over the parameter and its shadow where the shadow lies
+    (a step of a large model: copies of both cost more than the step's own optimizer ops): p's values there are
+    those the optimizer step's comparisons read over, or they cross now with the other ``params`` that must
+    (``Engine.near``); NaN distance where either holds a NaN or an infinity, as their difference would."""
     shadow = engine.shadow_view(p)
-    st = compare(p.detach(), shadow, p.dtype)
+    st = compare(engine.near(p.detach(), params), shadow, p.dtype)
     if st.nonfinite or st.nonfinite_agreed:
         return math.nan, float(torch.linalg.vector_norm(shadow))
     if st.norm == 0.0 or not st.rel_norm < math.inf:  # ||shadow|| is not norm / rel_norm: computed apart
@@ -84,6 +85,6 @@ def _relative(engine: Engine, t: torch.Tensor) -> tuple[float | None, float | No
         shadow = float(engine.shadow_of(t).reshape(-1)[0])
     except (KeyError, TypeError):
         return None, None
-    value = float(t.detach().reshape(-1)[0])
+    value = float(engine.near(t.detach()).reshape(-1)[0])  # the copy its comparison read over, if it crossed
     diff = abs(value - shadow)
     return value, diff / abs(shadow) if shadow else (math.inf if diff else 0.0)

@@ -1,12 +1,13 @@
 """Device values read where the shadows live elsewhere (DirectML's tensors, or a GPU's with ``shadow_device="cpu"``):
 each storage version crosses once, and the tensors one op call needs cross together.
 
-An op's device inputs are read for its local replay and its device outputs for their comparisons, and the next op
-reads those outputs again as its inputs. ``HostCopies`` keeps the copy of each tensor it brought over, in the
-device's own dtype, and hands it out again while nothing wrote the tensor's storage: its version counter has not
-moved since, and no op shadow saw wrote the storage (the engine calls ``drop``: writes that bump no counter, such as
-``native_batch_norm``'s running statistics, included). The copies of one call cross in one batch: a CUDA tensor
-without blocking into pinned memory, then one synchronization per device; any other device one blocking copy each.
+An op's device inputs are read for its local replay and its device outputs for their spot check and comparisons;
+the next op reads those outputs again as its inputs, and the trajectory reads the loss and the stepped parameters.
+``HostCopies`` keeps the copy of each tensor it brought over, in the device's own dtype, and hands it out again while
+nothing wrote the tensor's storage: its version counter has not moved since, and no op shadow saw wrote the storage
+(the engine calls ``drop``: writes that bump no counter, such as ``native_batch_norm``'s running statistics,
+included). The copies of one call cross in one batch: a CUDA tensor without blocking into pinned memory, then one
+synchronization per device; any other device one blocking copy each.
 
 The copies kept are bounded (``limit``: the oldest go first, and those whose storage died) and freed when the
 ``ShadowMode`` block ends.

@@ -61,20 +61,21 @@ def _chains(n: int, ops: int):
 @pytest.mark.parametrize("n", [4, 4096])  # the comparison's Python loop, and its fused pass
 def test_each_result_crosses_once(n):
     """Each result crosses once, for its comparisons (drift and local), and its copy serves the next op's local
-    replay: one crossing per op (the chains' first inputs are adopted exactly: no local replay reads them). With no
-    copy kept beyond the last batch, each op's input crosses again."""
+    replay: one crossing per op, and one per chain's first input (randn's draw, read over to be adopted). With no
+    copy kept beyond the last batch, each op's input crosses again (but the first: exact, no local replay reads
+    it)."""
     ops = 6
     _, far = _both(_chains(n, ops))
     copies = far._engine.copies
-    assert copies.transfers == 2 * ops and copies.batches == 2 * ops
+    assert copies.transfers == 2 * ops + 2 and copies.batches == 2 * ops + 2
     assert copies.held == 0  # freed when the block ends
     _, far = _both(_chains(n, ops), limit=0.0)
-    assert far._engine.copies.transfers == 2 * ops + 2 * (ops - 1)
+    assert far._engine.copies.transfers == 2 * ops + 2 + 2 * (ops - 1)
 
 
-def test_a_training_step_gives_the_default_figures():
-    """Forward, backward and Adam's foreach ops (in place, on lists) with every shadow elsewhere: the figures of the
-    default path, with fewer crossings than reads."""
+def _training_steps(discrete: bool = False):
+    """Two Adam steps of a small MLP from the same start each time it is called; ``discrete``: each loss's argmax
+    too (a discrete result, compared by its flips)."""
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -85,13 +86,63 @@ def test_a_training_step_gives_the_default_figures():
         x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
         for _ in range(2):
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             opt.step()
+            if discrete:
+                loss.argmax()
+    return step
 
-    near, far = _both(step)
+
+def test_a_training_step_gives_the_default_figures():
+    """Forward, backward and Adam's foreach ops (in place, on lists) with every shadow elsewhere: the figures of the
+    default path, with fewer crossings than reads."""
+    near, far = _both(_training_steps())
     records = len(far.report.records)
     assert records > 50
     assert 0 < far._engine.copies.transfers < 2 * records
+
+
+def test_spot_checks_comparisons_and_the_trajectory_read_the_copies():
+    """With every shadow elsewhere, the device results a spot check samples, those the comparisons read (floating
+    and discrete) and the parameters and loss the trajectory reads are the copies brought over for them, each
+    storage version once: no reader of a device value goes around ``HostCopies`` (on DirectML each would be a copy
+    of its own, tests/test_privateuse1_engine.py counts them). The loss's copy is its comparison's."""
+    step = _training_steps(discrete=True)
+    made, read = [], {}
+    real = transfer
+
+    def brought(tensors, to):
+        out = real(tensors, to)
+        made.extend(out)  # held: no storage address is reused by another tensor
+        return out
+
+    def reader(name, where, position):
+        original = getattr(*where)
+
+        def wrapped(*args, **kwargs):
+            values = args[position]
+            # float64: the numbers ops return (Adam's step.item()), compared as tensors made beside their shadows
+            read.setdefault(name, []).extend(v for v in (values if isinstance(values, list) else [values])
+                                             if isinstance(v, torch.Tensor) and v.dtype != torch.float64)
+            return original(*args, **kwargs)
+        return wrapped
+
+    import shadow.engine.judge as judge
+    import shadow.spot.policy as policy
+    import shadow.trajectory as trajectory
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("shadow.transfer.transfer", brought)
+        for name, where, position in (("spot check", (policy, "spot_check"), 3), ("figures", (judge, "figures"), 2),
+                                      ("flips", (judge, "count_flips"), 0), ("trajectory", (trajectory, "compare"), 0)):
+            mp.setattr(*where, reader(name, where, position))
+        sm = _run(step, True, spot_checks="all")
+    assert len(sm.report.trajectory) == 2 and sm.report.trajectory[0].loss is not None
+    copies = {c.untyped_storage().data_ptr() for c in made}
+    assert read.keys() == {"spot check", "figures", "flips", "trajectory"}
+    for name, tensors in read.items():
+        assert all(t.untyped_storage().data_ptr() in copies for t in tensors), name
+    assert sm._engine.copies.transfers == len(made)
 
 
 def test_a_call_s_inputs_cross_in_one_batch():
@@ -104,10 +155,11 @@ def test_a_call_s_inputs_cross_in_one_batch():
 
     _, far = _both(step, limit=0.0)
     copies = far._engine.copies
-    # the three results one by one; a and b together (c's copy, the last batch's, is at hand); addcmul's result
-    assert (copies.transfers, copies.batches) == (3 + 2 + 1, 3 + 1 + 1)
+    # x's draw (adopted); the three results one by one; a and b together (c's copy, the last batch's, is at hand);
+    # addcmul's result
+    assert (copies.transfers, copies.batches) == (1 + 3 + 2 + 1, 1 + 3 + 1 + 1)
     _, far = _both(step)
-    assert (far._engine.copies.transfers, far._engine.copies.batches) == (4, 4)
+    assert (far._engine.copies.transfers, far._engine.copies.batches) == (5, 5)
 
 
 def test_a_write_between_reads_is_read_again():
@@ -184,8 +236,8 @@ def test_discrete_inputs_cross_once():
 
 def test_copies_kept_stay_within_their_limit():
     """400-byte results under a 1000-byte limit: two kept at most, enough for two chains; under 100 bytes, none
-    beyond the last batch."""
-    for limit, transfers in ((1000.0, 10), (100.0, 18)):
+    beyond the last batch. Each chain's first input, randn's draw, crosses to be adopted."""
+    for limit, transfers in ((1000.0, 2 + 10), (100.0, 2 + 18)):
         held = []
         sm = ShadowMode()
         with sm:

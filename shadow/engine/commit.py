@@ -24,7 +24,7 @@ def commit(engine: Engine, prepared: Prepared, device: Any, written: bool, c: Co
         return
     mirror = engine.mirror
     if c.mismatch:  # the device's value, adopted
-        mirror.assign(device, c.keep, exact=True, fresh=True, nonfinite=any_nonfinite(device))
+        mirror.assign(device, c.keep, exact=True, fresh=True, nonfinite=any_nonfinite(c.keep))  # exact: the same
         return
     drift = c.drift.rel_norm if c.drift is not None and not c.exact else 0.0
     if written:
@@ -61,6 +61,8 @@ def in_world(engine: Engine, how: str, outputs: Outputs, compared: tuple[Compare
         elif reference.shape != device.shape or keep.shape != device.shape:
             rewritten.append(c)
             continue
+        else:
+            device = engine.near(device)  # the copy its comparisons read, where it crossed
         # the error first: the reference may be the shadow to keep itself; equal non-finite values carry none
         removable, rounding = split_error(engine.mirror.upcast(device), reference, device.dtype)
         values.add_(rounding if how == "exact" else removable.add_(rounding))
@@ -74,12 +76,13 @@ def adopt_all(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict, out: Any)
 
 
 def adopt(engine: Engine, tensors: Any) -> None:
-    """Make the device's values the shadow of ``tensors``."""
+    """Make the device's values the shadow of ``tensors`` (read over together where shadows live elsewhere)."""
     mirror = engine.mirror
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and not t._is_zerotensor() and mirror.shadow_dtype(t.dtype) is not None \
-                and t.layout == torch.strided:  # sparse results: not mirrored
-            mirror.assign(t, mirror.upcast(t), exact=True, fresh=True, nonfinite=any_nonfinite(t))
+    adopted = [t for t in tensors if isinstance(t, torch.Tensor) and not t._is_zerotensor()
+               and mirror.shadow_dtype(t.dtype) is not None and t.layout == torch.strided]  # sparse: not mirrored
+    for t in adopted:
+        value = mirror.upcast(engine.near(t, adopted))  # exact: non-finite where t is, read where it arrived
+        mirror.assign(t, value, exact=True, fresh=True, nonfinite=any_nonfinite(value))
 
 
 def resync_written(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> None:

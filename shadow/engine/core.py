@@ -4,6 +4,7 @@ hooks), and ``dispatch``, which takes one call through the steps of ``shadow.eng
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -181,6 +182,15 @@ class Engine:
             self.scratch.set_limit(cap - self.mirror.held)
 
     # --- queries ---
+    def near(self, t: torch.Tensor, batch: Iterable[Any] = ()) -> torch.Tensor:
+        """t's values where its shadow lives, to read only: t itself, or where its shadow lives on another device,
+        its copy read over once per storage version, with the tensors of ``batch`` that have none
+        (``shadow.transfer``). Kept for the reads after: the spot check's and the comparisons' of a result, the
+        next op's local replay, the trajectory's. A nested tensor is never read over: t itself."""
+        if t.is_nested or (t.is_cpu and self.mirror.place.cpu_home) or not self.copies.crosses(t):
+            return t
+        return self.copies.read(t, batch)
+
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor:
         """A CPU copy of t's shadow, wherever the shadows live (shadow_device=)."""
         v = self.shadow_view(t)

@@ -36,7 +36,8 @@ def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, refere
     budget = budget_of_outputs(engine, prepared, outputs) if prepared.budget else None
     spot = None
     if prepared.spot:
-        check = spot_check(engine, prepared, out, references, outputs.dtype, budget)
+        check = spot_check(engine, prepared, out, references, outputs.dtype, budget,
+                           (o.device for o in outputs.items))
         budget = check.budget
         spot = apply_corrections(engine, prepared.plan, references, check) if check.corrections else check.stats
     if budget is not None:
@@ -44,12 +45,12 @@ def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, refere
     items = outputs.items
     if outputs.plain and len(items) == 1:  # most calls: one floating tensor, its shadow of its shape and dtype
         o = items[0]
-        device = o.device if o.device.is_cpu and engine.mirror.place.cpu_home else near(engine, o.device, items)
+        device = engine.near(o.device, (x.device for x in items))
         bound, ulps = _bound(budget, 0) if budget is not None else (None, None)
         compared = (figures(engine, o.shadow, device, o.shadow, o.local, o.device.dtype, bound, ulps),)
     elif outputs.plain:  # floating strided tensors with shadows of their shape and dtype: straight to the figures
-        compared = tuple(figures(engine, o.shadow, near(engine, o.device, items), o.shadow, o.local,
-                                 o.device.dtype, *_bound(budget, o.slot)) for o in items)
+        compared = tuple(figures(engine, o.shadow, engine.near(o.device, (x.device for x in items)), o.shadow,
+                                 o.local, o.device.dtype, *_bound(budget, o.slot)) for o in items)
     else:
         compared = tuple(_compare(engine, prepared, o, outputs, budget) for o in items)
     return merged_figures(engine, prepared, compared, budget, spot)
@@ -73,13 +74,16 @@ def _compare(engine: Engine, prepared: Prepared, o: Output, outputs: Outputs, bu
 def _compare_tensor(engine: Engine, prepared: Prepared, o: Output, dtype: torch.dtype, budget: Budget | None,
                     defined: torch.Tensor | None, outputs: tuple[Output, ...]) -> Compared:
     """The figures of tensor output ``o`` in the device ``dtype``; ``defined``: the elements the op defines (None:
-    all), the only ones compared; ``outputs``: the call's, read over with this one where shadows live elsewhere."""
+    all), the only ones compared; ``outputs``: the call's, read over with this one where shadows live elsewhere
+    (``Engine.near``)."""
     device, shadow, local = o.device, o.shadow, o.local
     shadow_dtype = engine.mirror.shadow_dtype(device.dtype)
     if not isinstance(shadow, torch.Tensor) or device._is_zerotensor():
         return Compared()
     if device.layout != torch.strided:  # a sparse result (to_sparse): no strided storage to mirror
         raise Unsupported(prepared.plan.name, f"{device.layout} result: shadow mirrors strided tensors only")
+    if outputs:  # a tensor the device holds (a number's 0-d tensor, outputs (), is made beside its shadow)
+        device = engine.near(device, (x.device for x in outputs))
     if shadow.shape != device.shape:  # a data-dependent shape the shadow did not reproduce: the device's adopted
         return Compared(mismatch=1, exact=True,
                         keep=engine.mirror.upcast(device) if shadow_dtype is not None else None)
@@ -93,7 +97,6 @@ def _compare_tensor(engine: Engine, prepared: Prepared, o: Output, dtype: torch.
     if shadow.dtype != shadow_dtype:
         shadow = shadow.to(shadow_dtype)
     bound, ulps = _bound(budget, o.slot)
-    device = near(engine, device, outputs)
     if defined is None or defined.shape != device.shape or bool(defined.all()):
         return figures(engine, shadow, device, shadow, local, dtype, bound, ulps)
     defined = defined.to(shadow.device)
@@ -130,14 +133,6 @@ def _bound(budget: Budget | None, slot: int | None) -> tuple[Any, float | None]:
         return None, budget.ulps
     bounds = budget.divisors  # tensors, or formulas the comparison forms where it reads the reference
     return (bounds[slot] if slot < len(bounds) else None), None
-
-
-def near(engine: Engine, device: torch.Tensor, outputs: tuple[Output, ...]) -> torch.Tensor:
-    """``device``, or where its shadow lives on another device, its values read over with the call's other outputs
-    (``shadow.transfer``): kept for the next op that reads them, when that op's local replay will."""
-    if (device.is_cpu and engine.mirror.place.cpu_home) or not engine.copies.crosses(device):
-        return device
-    return engine.copies.read(device, (o.device for o in outputs), keep=engine.options.local)
 
 
 def figures(engine: Engine, keep: Any, device: torch.Tensor, shadow: torch.Tensor, local: Any, dtype: torch.dtype,

@@ -5,6 +5,7 @@ under "spot check of OP"."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,16 +24,21 @@ if TYPE_CHECKING:
 
 
 def spot_check(engine: Engine, prepared: Prepared, out: Any, references: Any, dtype: torch.dtype,
-               budget: Budget | None) -> SpotCheck:
+               budget: Budget | None, batch: Iterable[Any]) -> SpotCheck:
     """The spot check of the reference the local error is measured against (``references``: the replay's outputs
     as the op returns them). With the budget of a sum (``Budget.of_sum``), bound / |reference| is the condition
     estimate that picks the first samples (where the reference cancels); elementwise ops round once from exact
-    inputs and are sampled at random. The budget comes back None where building the bound of a sum failed."""
+    inputs and are sampled at random. The budget comes back None where building the bound of a sum failed.
+    The device's results are read where their shadows live (``Engine.near``, with the call's outputs ``batch``):
+    the copies the comparisons read after."""
     if budget is not None and budget.of_sum:  # its bound ranks the samples: built from the reference as it is
         budget = guarded(engine, prepared, budget, lambda: budget.bound)
     plan = prepared.plan
     try:
-        devices, tensors = _tensors(plan, out), _tensors(plan, references)
+        batch = list(batch)
+        devices = [engine.near(t, batch) if t is not None and t.layout == torch.strided else t
+                   for t in _tensors(plan, out)]
+        tensors = _tensors(plan, references)
         priority = None
         if budget is not None and budget.of_sum:
             priority = [Condition.of(bound, reference, engine.scratch)
