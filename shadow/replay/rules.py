@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..opsets import Family
 from ..records import Kind
 from .table import Replay, register_predicate, register_rule
 
@@ -14,7 +15,7 @@ aten = torch.ops.aten
 
 
 # --- views and metadata-only ops: nothing to recompute ---
-@register_predicate(lambda p: p.is_view or torch.Tag.inplace_view in p.tags)
+@register_predicate(lambda p: p.is_view or torch.Tag.inplace_view in p.tags, family=Family.VIEW)
 def view_rule(r: Replay) -> tuple[Kind, Any]:
     return Kind.VIEW, None
 
@@ -32,7 +33,12 @@ EMPTY_OPS = frozenset(
     )
     if op is not None
 )
-register_rule(*EMPTY_OPS)(lambda r: (Kind.ADOPTED, None))
+
+
+@register_rule(*EMPTY_OPS, family=Family.UNINITIALIZED)
+def uninitialized_rule(r: Replay) -> tuple[Kind, Any]:
+    """Adopted at the first read of the device's bytes."""
+    return Kind.ADOPTED, None
 
 
 # --- randomness: never replayed (it would consume the device's generator) ---
@@ -49,13 +55,13 @@ def _draws_random(r: Replay) -> bool:
     return any(r.arg(n, 0.0) not in (0, 0.0, None) for n in dropout_args)
 
 
-@register_predicate(lambda p: torch.Tag.nondeterministic_seeded in p.tags)
+@register_predicate(lambda p: torch.Tag.nondeterministic_seeded in p.tags, family=Family.RANDOM)
 def random_rule(r: Replay) -> Any:
     """Adopt the device's random outputs; SDPA and RNNs with dropout 0 fall through to a replay."""
     return (Kind.RANDOM, None) if _draws_random(r) else NotImplemented
 
 
-@register_rule(aten.native_dropout.default)
+@register_rule(aten.native_dropout.default, family=Family.RANDOM)
 def native_dropout_rule(r: Replay) -> tuple[Kind, Any]:
     """Adopt the device's mask; the kept values come from the shadow input, so drift survives."""
     x, p, train = r.args[0], r.args[1], r.arg("train")
