@@ -4,6 +4,7 @@
     shadow show REPORT                      the tables, their legend and the verdict
     shadow compare A B                      which ops and modules got worse in B than in A
     shadow demo | doctor                    a small model's step; the device backends
+    shadow explain OP                       what shadow knows about an op: every table's answer
     shadow --version
 
 Exit status:
@@ -670,6 +671,21 @@ def _unwritable(path: str) -> str:
 def _fail(message: str) -> int:
     print(f"shadow: error: {message}", file=sys.stderr)
     return 2
+
+
+# --- explain (shadow.explanation) ---
+@command("explain", "every table's answer for one op: replay rule, budget family and formula, reference, defined "
+         "region, op sets, and what each emulated device does to it",
+         lambda p: p.add_argument("op", help="an op: aten.mm (every overload), aten.mm.default, mm, aten::mm.out"))
+def _explain(args: argparse.Namespace) -> int:
+    from .errors import ShadowOptionError
+    from .explanation import explain
+
+    try:
+        print(explain(args.op).render())
+    except ShadowOptionError as exc:
+        raise _Failure(str(exc)) from None
+    return 0
 
 
 # --- entry point ---

@@ -36,6 +36,9 @@ R = TypeVar("R", bound=Callable[..., Any])
 
 def rule_name(rule: Any) -> str:
     """A rule's name for messages: functions by name, partials with their bound arguments."""
+    wrapped = getattr(rule, "__wrapped__", None)  # functools.wraps: the rule it wraps
+    if wrapped is not None:
+        return rule_name(wrapped)
     if isinstance(rule, functools.partial):
         inner = ", ".join([*map(rule_name, rule.args), *(f"{k}={v!r}" for k, v in rule.keywords.items())])
         return f"{rule_name(rule.func)}({inner})"

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..opsets import DATA_MOVEMENT, PARTIAL_WRITES, SELECTION, VIEW_COPIES, Family
+from ..plan import OpPlan
 from .core import (Budget, BudgetCall, InUlps, is_float, magnitude, overloads, register_budget,
                    register_budget_predicate)
 
@@ -177,6 +178,9 @@ def linspace_budget(c: BudgetCall) -> Budget:
         for r in outs])
 
 
-# pointwise ops no family names (tagged ``torch.Tag.pointwise``)
-register_budget_predicate(lambda plan: torch.Tag.pointwise in plan.tags, reads_overwritten=False)(
-    InUlps(Family.ELEMENTWISE, ULPS["pointwise"]))
+def pointwise(plan: OpPlan) -> bool:
+    """Tagged ``torch.Tag.pointwise``: the ops no rule above names."""
+    return torch.Tag.pointwise in plan.tags
+
+
+register_budget_predicate(pointwise, reads_overwritten=False)(InUlps(Family.ELEMENTWISE, ULPS["pointwise"]))

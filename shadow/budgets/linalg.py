@@ -400,11 +400,11 @@ UNBOUNDED_NAMES = frozenset((
 ))
 
 
-def _unbounded(plan: OpPlan) -> bool:
+def solves_and_factorizations(plan: OpPlan) -> bool:
     return plan.base.startswith(("linalg_", "_linalg_")) or plan.base in UNBOUNDED_NAMES
 
 
-@register_budget_predicate(_unbounded, family=Family.UNBOUNDED)
+@register_budget_predicate(solves_and_factorizations, family=Family.UNBOUNDED)
 def unbounded_budget(c: BudgetCall) -> Budget:
     """Linear algebra (solves, factorizations, eigen/singular values, inverses): the error of a correct
     implementation scales with the condition number, which the shapes do not give: bound = inf."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..opsets import Family
+from ..plan import OpPlan
 from .core import (Budget, BudgetCall, budget_for, coefficient, foreach_base, magnitude, overloads,
                    register_budget, register_budget_predicate)
 from .elementwise import ULPS, with_operand_term
@@ -77,7 +78,11 @@ def lerp_budget(c: BudgetCall) -> Budget:
 
 
 # --- foreach ops: each list element under the rule of the op the name says ---
-@register_budget_predicate(lambda plan: foreach_base(plan.func) is not None, family=Family.FOREACH)
+def foreach_ops(plan: OpPlan) -> bool:
+    return foreach_base(plan.func) is not None
+
+
+@register_budget_predicate(foreach_ops, family=Family.FOREACH)
 def foreach_budget(c: BudgetCall) -> Budget:
     """``_foreach_X``: element i of every list argument (tensor or scalar list) goes to X's rule; the budget is
     of X's family where every element's is the same."""

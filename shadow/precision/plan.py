@@ -134,7 +134,7 @@ class Plan:
 
 
 def choose(report: AuditReport, tolerance: float) -> Plan:
-    from . import ORDER
+    from . import PRECISIONS
 
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
         raise ShadowOptionError(f"plan(tolerance={tolerance!r}): expected a relative change >= 0 (1e-3: 0.1 %)")
@@ -142,7 +142,7 @@ def choose(report: AuditReport, tolerance: float) -> Plan:
     total = 0.0
     tree = report.by == "module" and not report.own
     children = _children({r.key for r in report.rows if r.key}) if tree else {}
-    for precision in (p for p in ORDER if p in report.precisions):
+    for precision in (p for p in PRECISIONS if p in report.precisions):  # cheapest first
         # "" (calls outside any module: the loss, the optimizer) is never moved
         rows = {r.key: r for r in report.rows if r.precision == precision and r.key}
         cost = _costs(rows, children) if tree else {k: r.sensitivity for k, r in rows.items()}

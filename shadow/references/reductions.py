@@ -209,7 +209,7 @@ def _softmax_rule(log: bool, call: Call, index: tuple[int, ...]) -> Exact:
     return Exact.plain(mpmath.exp(d - lse))
 
 
-_softmax = functools.partial(register_reference, terms=_along_dim_terms, per_term="mpmath", family=Family.REDUCTION)
+_softmax = functools.partial(register_reference, family=Family.REDUCTION, terms=_along_dim_terms, per_term="mpmath")
 _softmax(aten._softmax, aten.softmax)(functools.partial(_softmax_rule, False))
 _softmax(aten._log_softmax, aten.log_softmax)(functools.partial(_softmax_rule, True))
 

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import Unsupported
 from ..opsets import Family
+from ..plan import OpPlan
 from ..records import Kind
 from .table import Deferred, Replay, register_predicate, register_rule
 
@@ -292,7 +293,11 @@ _REPLAYED = {c10d.allreduce_.default, c10d.allreduce_coalesced_.default, c10d.br
              c10d.reduce_scatter_tensor_coalesced_.default}
 
 
-@register_predicate(lambda p: p.func.namespace == "c10d" and p.func not in _REPLAYED, family=Family.COLLECTIVE)
+def other_collectives(plan: OpPlan) -> bool:
+    return plan.func.namespace == "c10d" and plan.func not in _REPLAYED
+
+
+@register_predicate(other_collectives, family=Family.COLLECTIVE)
 def other_collective_rule(r: Replay) -> Any:
     """Any other c10d op is never run on the user's group by shadow: its device results are adopted."""
     raise Unsupported(r.plan.name, "collective not replayed by shadow (replayed: all-reduce, broadcast, "

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..opsets import Family
+from ..plan import OpPlan
 from ..records import Kind
 from .table import Replay, register_predicate, register_rule
 
@@ -15,7 +16,11 @@ aten = torch.ops.aten
 
 
 # --- views and metadata-only ops: nothing to recompute ---
-@register_predicate(lambda p: p.is_view or torch.Tag.inplace_view in p.tags, family=Family.VIEW)
+def views_and_metadata(plan: OpPlan) -> bool:
+    return plan.is_view or torch.Tag.inplace_view in plan.tags
+
+
+@register_predicate(views_and_metadata, family=Family.VIEW)
 def view_rule(r: Replay) -> tuple[Kind, Any]:
     return Kind.VIEW, None
 
@@ -55,7 +60,12 @@ def _draws_random(r: Replay) -> bool:
     return any(r.arg(n, 0.0) not in (0, 0.0, None) for n in dropout_args)
 
 
-@register_predicate(lambda p: torch.Tag.nondeterministic_seeded in p.tags, family=Family.RANDOM)
+def seeded(plan: OpPlan) -> bool:
+    """Tagged ``torch.Tag.nondeterministic_seeded`` (SDPA and RNNs too: random only with a dropout > 0)."""
+    return torch.Tag.nondeterministic_seeded in plan.tags
+
+
+@register_predicate(seeded, family=Family.RANDOM)
 def random_rule(r: Replay) -> Any:
     """Adopt the device's random outputs; SDPA and RNNs with dropout 0 fall through to a replay."""
     return (Kind.RANDOM, None) if _draws_random(r) else NotImplemented
