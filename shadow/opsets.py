@@ -45,6 +45,7 @@ class Family(str, enum.Enum):
     LOSS = "loss"
     ATTENTION = "attention"  # scaled dot product attention
     COMPOSED = "composed"  # a fused kernel bounded stage by stage over its decomposition (the encoder layer)
+    GRAPH = "graph"  # a compiled graph's call, bounded over its aten graph (shadow.compiled)
     RECURRENT = "recurrent"  # LSTM and GRU layers and cells
     FOREACH = "foreach"  # _foreach_X: each list element as X
     VIEW = "view"  # views and metadata: nothing to recompute
