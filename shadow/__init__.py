@@ -27,6 +27,7 @@ _PUBLIC = {  # name -> the module that defines it
     "attribute": "attribution.share", "AttributionResult": "attribution.share", "Share": "attribution.share",
     "merge_reports": "distributed",
     "audit": "precision", "AuditReport": "precision", "AuditRow": "precision", "Plan": "precision.lowering",
+    "explain": "explanation", "Explanation": "explanation",
 }
 __all__ = list(_PUBLIC)
 

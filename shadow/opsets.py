@@ -1,18 +1,62 @@
-"""Facts about aten ops that several rule families share, each stated once: which arguments of a
-matmul-like op are its factors, and which ops only move, select or partly overwrite values.
+"""Facts about aten ops that several rule families share, each stated once: the op families themselves
+(``Family``), which arguments of a matmul-like op are its factors, which ops are matmul-like, and which ops
+only move, select or partly overwrite values.
 
 Op sets hold base names (``plan.base``: "add" for ``aten.add_.Tensor``), so an op's in-place and out=
 overloads belong to the set of its name; the families build what they treat alike by set algebra.
+``OPSETS`` names them all (``shadow.explain`` lists the sets an op is in).
 
 >>> MATMULS["addmm"]
 Matmul(a='mat1', b='mat2', bias='self')
->>> "cat" in DATA_MOVEMENT, "relu" in SELECTION, "index_add" in PARTIAL_WRITES
-(True, True, True)
+>>> "cat" in DATA_MOVEMENT, "relu" in SELECTION, "index_add" in PARTIAL_WRITES, "convolution" in MATMUL_LIKE
+(True, True, True, True)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Collection
+
+
+class Family(str, enum.Enum):
+    """The op families, one vocabulary for every per-op table: replay rules (``shadow.replay``), error budgets
+    (``shadow.budgets``) and high-precision references (``shadow.references``) name the family of each rule
+    when they register it, and ``shadow.explain`` reports it. The value is the name a budget carries
+    (``Budget.family``, saved in reports as ``BudgetInfo.family``): values never change.
+
+    A family's rules live in the module of the same group in each package: ``elementwise`` (elementwise,
+    movement), ``reductions``, ``linalg`` (matmul, conv, fft, unbounded), ``normalization``, ``losses``,
+    ``attention``, ``recurrent``; ``optimizer`` holds the elementwise rules of the optimizers' fused ops and the
+    foreach ops.
+
+    >>> Family.MATMUL == "matmul", f"{Family.NORM}"
+    (True, 'norm')
+    """
+
+    ELEMENTWISE = "elementwise"  # each result a few roundings of its inputs (arithmetic, transcendentals)
+    MOVEMENT = "movement"  # values moved or selected, not computed
+    REDUCTION = "reduction"  # long sums: sum, mean, var/std, vector norms, softmax, pooling, scatter-adds
+    MATMUL = "matmul"  # inner products: mm, bmm, addmm, matmul, linear, mv, dot
+    CONV = "conv"  # convolutions and their backward
+    FFT = "fft"
+    UNBOUNDED = "unbounded"  # solves, factorizations, eigen and singular values: no a-priori bound
+    NORM = "norm"  # layer, group, batch and RMS normalization
+    LOSS = "loss"
+    ATTENTION = "attention"  # scaled dot product attention
+    COMPOSED = "composed"  # a fused kernel bounded stage by stage over its decomposition (the encoder layer)
+    GRAPH = "graph"  # a compiled graph's call, bounded over its aten graph (shadow.compiled)
+    RECURRENT = "recurrent"  # LSTM and GRU layers and cells
+    FOREACH = "foreach"  # _foreach_X: each list element as X
+    VIEW = "view"  # views and metadata: nothing to recompute
+    RANDOM = "random"  # random draws: the device's values are adopted
+    UNINITIALIZED = "uninitialized"  # empty and its kin: the device's bytes are the value
+    COLLECTIVE = "collective"  # c10d collectives, replayed on shadow's own process groups
+    DEFAULT = "default"  # a budget no rule gives: a guess of a few ulps
+    EMPTY = "empty"  # a budget with nothing to bound (no floating output with elements)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +90,12 @@ CONVOLUTIONS: dict[str, Matmul] = {
     "_convolution": Matmul("input", "weight", "bias"),
     "convolution_overrideable": Matmul("input", "weight", "bias"),
 }
+
+# Matmul-like: a narrow format's bits in them are TF32's (tensor cores), not float16's; their backward and the
+# entry points torch dispatches before they decompose included
+MATMUL_LIKE = frozenset(MATMULS) | frozenset(CONVOLUTIONS) | frozenset({
+    "conv1d", "conv2d", "conv3d", "convolution_backward", "mkldnn_convolution", "_scaled_mm",
+})
 
 # Pure data movement: every value of the result is a value of an input (or a fill constant), placed
 # elsewhere; no arithmetic. Bit-exact on every device.
@@ -90,3 +140,9 @@ PARTIAL_WRITES = frozenset({
     "index_add", "index_reduce", "scatter", "scatter_add", "scatter_reduce", "index_put", "_index_put_impl",
     "_unsafe_index_put", "put", "fill_diagonal",
 })
+
+# every op set by name, for what explains an op
+OPSETS: dict[str, Collection[str]] = {
+    "MATMULS": MATMULS, "CONVOLUTIONS": CONVOLUTIONS, "MATMUL_LIKE": MATMUL_LIKE, "DATA_MOVEMENT": DATA_MOVEMENT,
+    "VIEW_COPIES": VIEW_COPIES, "SELECTION": SELECTION, "PARTIAL_WRITES": PARTIAL_WRITES,
+}

@@ -236,9 +236,9 @@ def registry():
 
 def test_duplicate_registration_names_the_op(registry):
     with pytest.raises(DuplicateRuleError, match=r"aten\.mm\.default"):
-        register_budget(aten.mm.default)(lambda c: c.ulps("x", 1.0))
+        register_budget(aten.mm.default, family="x")(lambda c: c.ulps(1.0))
     with pytest.raises(TypeError, match="OpOverload"):
-        register_budget(aten.mm)(lambda c: c.ulps("x", 1.0))
+        register_budget(aten.mm, family="x")(lambda c: c.ulps(1.0))
 
 
 def test_lookup_order_exact_then_predicate_then_default(registry):
@@ -246,9 +246,9 @@ def test_lookup_order_exact_then_predicate_then_default(registry):
     x = torch.tensor([1.0], dtype=torch.float64)
     assert budget_for(aten.nonzero_static.default, (x,), {"size": 1}, [x], torch.float32).is_default
     assert budget_for(op, (x,), {}, [x], torch.float32).family == "elementwise"  # the pointwise-tag predicate
-    register_budget_predicate(lambda plan: plan.func is op)(lambda c: NotImplemented)  # falls through to the tag
+    register_budget_predicate(lambda plan: plan.func is op, family="x")(lambda c: NotImplemented)  # to the tag
     assert budget_for(op, (x,), {}, [x], torch.float32).family == "elementwise"
-    register_budget(op)(lambda c: c.ulps("mine", 8.0))
+    register_budget(op, family="mine")(lambda c: c.ulps(8.0))
     assert budget_for(op, (x,), {}, [x], torch.float32).family == "mine"
 
 
@@ -271,9 +271,9 @@ def test_reads_overwritten_is_given_at_registration(op, reads):
 
 def test_reads_overwritten_of_a_new_rule(registry):
     op = aten.histc.default
-    register_budget(op, reads_overwritten=False)(lambda c: c.ulps("mine", 8.0))
+    register_budget(op, family="mine", reads_overwritten=False)(lambda c: c.ulps(8.0))
     assert not reads_overwritten(op)  # the default promises not to read either
-    register_budget_predicate(lambda plan: plan.func is op)(lambda c: NotImplemented)
+    register_budget_predicate(lambda plan: plan.func is op, family="mine")(lambda c: NotImplemented)
     assert reads_overwritten(op)  # a rule that may answer and made no promise
 
 
@@ -309,7 +309,7 @@ def test_fixed_budget_follows_the_rule_that_answers(registry):
     b = budget_for(op, None, None, [_X], torch.bfloat16)  # bfloat16's spacing: 2**-8 at 0.5, 2**-6 at 2 and 3
     assert (b.family, b.ulps) == ("mine", 8.0) and b.bound[0].tolist() == [8 * 2.0**-8, 8 * 2.0**-6, 8 * 2.0**-6]
     other = aten.histc.out
-    register_budget(other)(lambda c: c.ulps("mine", 8.0))
+    register_budget(other, family="mine")(lambda c: c.ulps(8.0))
     assert fixed_budget(other) is None  # a function of the call may read anything
 
 

@@ -818,11 +818,12 @@ def test_a_budget_rule_that_fails_lazily_costs_the_budget_not_the_op():
     from shadow import budgets
 
     def broken(c):
-        return c.budget("elementwise", lambda: 1 / 0)  # the bound is built lazily, when first read
+        return c.budget(lambda: 1 / 0)  # the bound is built lazily, when first read
 
     x = torch.randn(64)
     with budgets.BUDGETS.scoped():
-        budgets.register_budget(aten.histc.default)(broken)  # no rule of its own: the default budget otherwise
+        # no rule of its own: the default budget otherwise
+        budgets.register_budget(aten.histc.default, family="elementwise")(broken)
         with ShadowMode() as sm:
             y = torch.histc(x, bins=4)
     (rec,) = records(sm, "aten.histc.default")

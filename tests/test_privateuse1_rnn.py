@@ -1,5 +1,5 @@
 """The fused LSTM and GRU cells (``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell`` and their backward), which
-aten's LSTM and GRU call on a PrivateUse1 device: their float64 replay (shadow.replay.kernels) and their budget
+aten's LSTM and GRU call on a PrivateUse1 device: their float64 replay (shadow.replay.recurrent) and their budget
 (shadow.budgets.recurrent), on the stand-in's float32 cells.
 
 The replay is checked against float64 runs made without shadow (nn.LSTM/nn.GRU in float64 on the CPU, an unfused

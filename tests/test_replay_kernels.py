@@ -1,4 +1,4 @@
-"""Replay rules for fused device kernels with no float64 CPU kernel (shadow.replay.kernels: oneDNN's LSTM
+"""Replay rules for fused device kernels with no float64 CPU kernel (shadow.replay.recurrent: oneDNN's LSTM
 layer), tested by calling the rules on float64 inputs and comparing with PyTorch's own float64 LSTM and
 autograd. The attention kernels' rules are tested in test_attention.py."""
 
@@ -9,7 +9,7 @@ import torch.nn as nn
 from shadow.plan import plan_of
 from shadow.records import Kind
 from shadow.replay import Replay
-from shadow.replay.kernels import mkldnn_lstm_layer_backward_rule, mkldnn_lstm_layer_rule
+from shadow.replay.recurrent import mkldnn_lstm_layer_backward_rule, mkldnn_lstm_layer_rule
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.skipif(not hasattr(aten, "mkldnn_rnn_layer"),

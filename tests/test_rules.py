@@ -16,19 +16,19 @@ def _returns_tensors(func) -> bool:
     return any(isinstance(r.type, torch.TensorType) for r in func._schema.returns)
 
 
-def test_lookup_order_exact_family_predicate_default_with_fall_through():
-    table = RuleTable("test", default=lambda x: "default", families=_returns_tensors)
+def test_lookup_order_exact_packet_predicate_default_with_fall_through():
+    table = RuleTable("test", default=lambda x: "default", packets=_returns_tensors)
     table.register(aten.exp.default)(lambda x: "exact" if x == "exact" else NotImplemented)
-    table.register(aten.exp)(lambda x: "family")  # the packet: overloads without an exact rule
+    table.register(aten.exp)(lambda x: "packet")  # the packet: overloads without an exact rule
     table.register_predicate(lambda plan: torch.Tag.pointwise in plan.tags)(
         lambda x: "pointwise" if x != "skip" else NotImplemented)
     assert table.run(aten.exp.default, "exact") == "exact"
-    assert table.run(aten.exp.default, "other") == "pointwise"  # the exact rule fell through; no family for it
-    assert table.run(aten.exp.out, "other") == "family"
+    assert table.run(aten.exp.default, "other") == "pointwise"  # the exact rule fell through; not the packet's
+    assert table.run(aten.exp.out, "other") == "packet"
     assert table.run(aten.sin.default, "other") == "pointwise"
     assert table.run(aten.sin.default, "skip") == "default"
     assert table.run(aten.mm.default, "other") == "default"
-    assert len(table.chain(aten.exp.default)) == 3  # exact, predicate, default: the family is the exact's
+    assert len(table.chain(aten.exp.default)) == 3  # exact, predicate, default: the packet's rule is not
     assert table.chain("not an op") == (table.default,)
 
 
@@ -50,7 +50,7 @@ def test_duplicates_name_both_rules_and_keys_are_checked():
                               "<lambda>(2) cannot replace it")
     assert isinstance(exc.value, ValueError) and exc.value.op is aten.mm.default
     with pytest.raises(TypeError, match="OpOverloads such as aten.mm.default"):
-        table.register(aten.mm)(mm_rule)  # this table takes no families
+        table.register(aten.mm)(mm_rule)  # this table takes no packets
     assert rule_name(functools.partial(mm_rule, k=3)) == "mm_rule(k=3)"
 
 
@@ -65,14 +65,14 @@ def test_scoped_registrations_are_undone():
 
 def test_lookups_are_remembered_until_the_next_registration():
     """own() and chain() are cached per op: a registration, or the end of a scoped block, forgets them."""
-    table = RuleTable("test", families=_returns_tensors)
+    table = RuleTable("test", packets=_returns_tensors)
     assert table.own(aten.exp.default) is None  # asked (and remembered) before any rule exists
-    family = table.register(aten.exp)(lambda: "family")
-    assert table.own(aten.exp.default) is family and table.own(aten.exp.out) is family
+    packet = table.register(aten.exp)(lambda: "packet")
+    assert table.own(aten.exp.default) is packet and table.own(aten.exp.out) is packet
     with table.scoped():
         exact = table.register(aten.exp.default)(lambda: "exact")
         assert table.own(aten.exp.default) is exact and table.chain(aten.exp.default) == (exact,)
-    assert table.own(aten.exp.default) is family and table.chain(aten.exp.default) == (family,)
+    assert table.own(aten.exp.default) is packet and table.chain(aten.exp.default) == (packet,)
 
 
 def test_the_plan_binds_by_schema_name_with_defaults():

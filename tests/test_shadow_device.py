@@ -201,7 +201,7 @@ def test_the_shadow_data_path_hard_codes_no_cpu():
         "transfer.py": ('elif t.is_cuda and to.type == "cpu":', 'shadow_device="cpu"'),  # pinned memory, the docstring
     }
     files = [str(f.relative_to(root)) for f in sorted((root / "engine").glob("*.py"))]
-    files += ["mirror.py", "transfer.py", "replay/noncompute.py", "replay/kernels.py", "replay/attention.py"]
+    files += ["mirror.py", "transfer.py", "replay/noncompute.py", "replay/recurrent.py", "replay/attention.py"]
     for name in files:
         for i, line in enumerate((root / name).read_text().splitlines(), 1):
             if '"cpu"' in line:

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ..opsets import Family
 from ..replay.attention import attention_scale, expand_kv, sum_groups
 from .core import EXP_ULPS, Budget, BudgetCall, gamma, is_float, overloads, register_budget
 
@@ -43,7 +44,8 @@ def _random(c: BudgetCall) -> bool:
 
 
 @register_budget(*overloads("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"))
+                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"),
+                 family=Family.ATTENTION)
 def attention_budget(c: BudgetCall) -> Budget:
     """out_i = sum_j P_ij v_j, P = softmax(s q k^T + mask). Logit i,j is off by eps_i = gamma_{E+2}(ua) s
     ||q_i|| max_j ||k_j|| (Cauchy-Schwarz) + ua |m_i| (rounding at the row max m_i, |m_i| <= |lse_i| + log S);
@@ -82,10 +84,10 @@ def attention_budget(c: BudgetCall) -> Budget:
         bounds.extend(None for _ in c.outputs[len(bounds):])
         return bounds
 
-    return c.budget("attention", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("_scaled_dot_product_flash_attention_for_cpu_backward"))
+@register_budget(*overloads("_scaled_dot_product_flash_attention_for_cpu_backward"), family=Family.ATTENTION)
 def attention_backward_budget(c: BudgetCall) -> Budget:
     """dV = P^T dO, dS = P o (dO V^T - D), D_i = dO_i . O_i, dQ = s dS K, dK = s dS^T Q, P recomputed from
     the given lse with relative error eta_ij <= eps_i + ua (lse_i - x_ij) + c ua. With R_i = ||dO_i|| max_j
@@ -118,4 +120,4 @@ def attention_backward_budget(c: BudgetCall) -> Budget:
             outs.append(None if not is_float(r) else (b + 2 * c.u * r.abs() + c.final(r)).expand(r.shape))
         return outs
 
-    return c.budget("attention", make)
+    return c.budget(make)

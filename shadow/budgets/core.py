@@ -24,9 +24,10 @@ from typing import Any, Callable
 import torch
 
 from ..metrics import ErrorStats, fused_bounds, precision_bits, spacing
+from ..opsets import Family
 from ..plan import OpPlan, plan_of
 from ..replay.table import pooled_call
-from ..rules import RuleTable
+from ..rules import RuleTable, rule_name
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -74,8 +75,9 @@ KAPPA = 1.0 / (8.0 * math.log(2.0))
 # exp and log kernels: a few ulps of the compute type each (vectorized SLEEF u10 and glibc are <= 1-2 ulps)
 EXP_ULPS = 4.0
 
-# rule families whose bound is gamma_n times a sum of magnitudes (the rest round once per element)
-SUM_FAMILIES = frozenset({"reduction", "matmul", "conv", "norm", "loss", "attention", "fft"})
+# families whose bound is gamma_n times a sum of magnitudes (the rest round once per element)
+SUM_FAMILIES = frozenset({Family.REDUCTION, Family.MATMUL, Family.CONV, Family.NORM, Family.LOSS, Family.ATTENTION,
+                          Family.FFT})
 
 
 def accumulation_sq(K: int, terms_sq: float, result_sq: float) -> float:
@@ -192,13 +194,14 @@ class UlpsPlus:
 class Budget:
     """The error budget of one op call: a bound per output element and how it was derived.
 
-    ``family``: the rule family ("elementwise", "movement", "reduction", "matmul", "conv", "norm", "loss",
-    "attention", "composed", "unbounded", "default"...); ``bound``: one float64 tensor per output (broadcastable
-    to it; ``None`` for discrete outputs), computed on first access; ``is_default``: no rule knows this op and the
-    bound is a guess of a few ulps; ``ulps``: set when the bound is exactly ``ulps`` units in the last
-    place of the output (``ulps * spacing(|r|)``), so ``budget_used = max_ulp / ulps`` needs no tensor. A rule
-    may give formulas instead (``of_formulas``, ``UlpsPlus``): ``divisors`` hands them to the comparison, which
-    forms the bound where it reads the result, and ``bound`` computes their tensors for every other reader.
+    ``family``: the rule's family (a ``shadow.opsets.Family`` value: "elementwise", "movement", "reduction",
+    "matmul", "conv", "norm", "loss", "attention", "composed", "unbounded", "default"...); ``bound``: one float64
+    tensor per output (broadcastable to it; ``None`` for discrete outputs), computed on first access;
+    ``is_default``: no rule knows this op and the bound is a guess of a few ulps; ``ulps``: set when the bound is
+    exactly ``ulps`` units in the last place of the output (``ulps * spacing(|r|)``), so ``budget_used = max_ulp /
+    ulps`` needs no tensor. A rule may give formulas instead (``of_formulas``, ``UlpsPlus``): ``divisors`` hands
+    them to the comparison, which forms the bound where it reads the result, and ``bound`` computes their tensors
+    for every other reader.
 
     >>> r = torch.tensor([1.0, 3.0], dtype=torch.float64)
     >>> b = Budget.in_ulps("elementwise", 2.0, [r], torch.float32)
@@ -213,7 +216,7 @@ class Budget:
                  outputs: Sequence[Any], dtype: torch.dtype, is_default: bool = False,
                  ulps: float | None = None, scale_sq: Any = None,  # float, (scale, acc), or a callable of either
                  formulas: Callable[[], Sequence[UlpsPlus | torch.Tensor | None]] | None = None):
-        self.family = family
+        self.family = str(family)  # a Family's value: what reports save
         self.is_default = is_default
         self.ulps = ulps
         self._outputs = list(outputs)
@@ -344,7 +347,7 @@ def add_into(b: torch.Tensor, t: Any, alpha: float = 1.0) -> torch.Tensor:
 
 def magnitude_of(a: torch.Tensor, out: torch.Tensor, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
     """``out`` (a real temporary of the bound, a's shape) set to |a| * scale + offset: in one numba pass where
-    it reads the tensors (``shadow._fused.magnitude``, the same values bit for bit), else torch's three."""
+    it reads the tensors (``shadow._fused_bounds.magnitude``, the same values bit for bit), else torch's three."""
     if fused_bounds is None or not fused_bounds.magnitude(a, out, scale, offset):
         torch.abs(a, out=out).mul_(scale).add_(offset)
     return out
@@ -383,7 +386,8 @@ class BudgetCall:
     """A rule's input: the op's plan, its arguments as passed (``args``, ``kwargs``; tensors are the device's
     inputs upcast to float64) and by schema name (``a``), the float64 reference outputs (flattened returns; for
     ops that return nothing, the written arguments), the device dtype, ``u`` (its unit roundoff) and ``ua`` (the
-    unit roundoff of the accumulation dtype)."""
+    unit roundoff of the accumulation dtype). The budgets it builds are of ``family``, the one the running rule
+    was registered with, unless a rule names another."""
 
     plan: OpPlan
     args: Sequence[Any]
@@ -394,6 +398,7 @@ class BudgetCall:
     ua: float
     scratch: Any = None  # shadow.scratch.Scratch: reused memory for the bounds' large temporaries (None: fresh)
     named: dict[str, Any] | None = None  # ``a`` once bound (a rule may pass its own)
+    family: str | None = None  # the running rule's (set by ``BudgetRule``)
 
     @property
     def a(self) -> dict[str, Any]:
@@ -413,14 +418,17 @@ class BudgetCall:
     def out(self, i: int = 0) -> torch.Tensor:
         return self.outputs[i]
 
-    def ulps(self, family: str, n: float) -> Budget:
-        return Budget.in_ulps(family, n, self.outputs, self.dtype)
+    def ulps(self, n: float, *, family: str | None = None) -> Budget:
+        """``n`` units in the last place of the result."""
+        return Budget.in_ulps(self._family(family), n, self.outputs, self.dtype)
 
-    def budget(self, family: str, make: Callable[[], Sequence], scale_sq: Any = None) -> Budget:
-        return Budget(family, make, outputs=self.outputs, dtype=self.dtype, scale_sq=scale_sq)
+    def budget(self, make: Callable[[], Sequence], scale_sq: Any = None, *, family: str | None = None) -> Budget:
+        """The bound ``make()`` gives per output, built on first use; ``scale_sq`` as :func:`effective_bits` reads
+        it (``Budget.scales``)."""
+        return Budget(self._family(family), make, outputs=self.outputs, dtype=self.dtype, scale_sq=scale_sq)
 
-    def ulps_plus(self, family: str, ulps: float, term: Callable[[], Any], alpha: float = 1.0, op: str = "",
-                  other: Any = None) -> Budget:
+    def ulps_plus(self, ulps: float, term: Callable[[], Any], alpha: float = 1.0, op: str = "", other: Any = None,
+                  *, family: str | None = None) -> Budget:
         """``ulps`` of the result plus ``alpha`` times a term, as an ``UlpsPlus``: ``term()`` (a tensor
         broadcastable to the result, or a number), computed on first use, or what ``op`` forms from it and
         ``other``."""
@@ -434,7 +442,15 @@ class BudgetCall:
         def formulas() -> list[UlpsPlus]:
             return [UlpsPlus(ulps, tensor(term()), float(alpha), dtype, op, tensor(other))]
 
-        return Budget.of_formulas(family, formulas, outputs=self.outputs, dtype=self.dtype, scratch=self.scratch)
+        return Budget.of_formulas(self._family(family), formulas, outputs=self.outputs, dtype=self.dtype,
+                                  scratch=self.scratch)
+
+    def _family(self, family: str | None) -> str:
+        family = family or self.family
+        if family is None:
+            raise TypeError(f"a budget of {self.plan.name} built outside a registered rule: name its family "
+                            "(family=Family.X)")
+        return family
 
     def floor(self, c: float = 1.0) -> float:
         """c subnormal spacings of the device dtype: the rounding of results below its smallest normal."""
@@ -483,13 +499,16 @@ Rule = Callable[[BudgetCall], Any]  # returns a Budget, or NotImplemented to fal
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BudgetRule:
-    """A rule as the table holds it, with the fact the engine's copy policy needs: whether it may read
-    the arguments an in-place op overwrites, as they were before the op (see :func:`reads_overwritten`)."""
+    """A rule as the table holds it, with its family (the budgets it builds are of it unless it names another)
+    and the fact the engine's copy policy needs: whether it may read the arguments an in-place op overwrites,
+    as they were before the op (see :func:`reads_overwritten`)."""
 
     fn: Rule
+    family: str
     reads_overwritten: bool = True
 
     def __call__(self, c: BudgetCall) -> Any:
+        c.family = self.family
         return self.fn(c)
 
 
@@ -503,13 +522,16 @@ class InUlps:
     ulps: float
     is_default: bool = False
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "family", str(self.family))  # a Family's value, as Budget.family holds it
+
     def __call__(self, c: BudgetCall) -> Budget:
         return self.budget(c.outputs, c.dtype)
 
     def budget(self, outputs: Sequence[Any], dtype: torch.dtype) -> Budget:
         """The budget of a call with these float64 reference outputs in the device ``dtype``: ``budget_for``'s."""
         if _nothing_to_bound(outputs):
-            return Budget.in_ulps("empty", 0.0, outputs, dtype)
+            return Budget.in_ulps(Family.EMPTY, 0.0, outputs, dtype)
         return Budget.in_ulps(self.family, self.ulps, outputs, dtype, is_default=self.is_default)
 
 
@@ -525,34 +547,53 @@ def _nothing_to_bound(outputs: Sequence[Any]) -> bool:
 DEFAULT_ULPS = 4.0
 
 BUDGETS: RuleTable[BudgetRule] = RuleTable(
-    "budget", default=BudgetRule(InUlps("default", DEFAULT_ULPS, is_default=True), reads_overwritten=False))
+    "budget", default=BudgetRule(InUlps(Family.DEFAULT, DEFAULT_ULPS, is_default=True), str(Family.DEFAULT),
+                                 reads_overwritten=False))
 
 
-def register_budget(*ops: OpOverload, reads_overwritten: bool = True) -> Callable[[Rule], Rule]:
+def _held(rule: Rule, family: str | None, reads: bool, ops: tuple = ()) -> BudgetRule:
+    """``rule`` as the table holds it: an ``InUlps`` is of its own family, any other rule of the one named."""
+    if isinstance(rule, InUlps):
+        if family is not None and str(family) != rule.family:
+            raise ValueError(f"a budget rule for {', '.join(map(str, ops)) or 'a predicate'} registered with "
+                             f"family={str(family)!r} is {rule}: leave family out, or name the same")
+        family = rule.family
+    if family is None:
+        raise TypeError(f"a budget rule for {', '.join(map(str, ops)) or 'a predicate'} ({rule_name(rule)}): name "
+                        "its family (family=Family.X, shadow.opsets.Family): the budgets it builds are of it")
+    return BudgetRule(rule, str(family), reads)
+
+
+def register_budget(*ops: OpOverload, family: str | None = None,
+                    reads_overwritten: bool = True) -> Callable[[Rule], Rule]:
     """Register a budget rule for exact op overloads; registering an op twice is a ``DuplicateRuleError``.
-    ``reads_overwritten=False`` promises that the rule never reads what an in-place op overwrites (its
-    ``self``), so the engine need not copy it before the op.
+    ``family`` (a ``shadow.opsets.Family``; an ``InUlps`` rule has its own): the family of the budgets the rule
+    builds, unless it names another. ``reads_overwritten=False`` promises that the rule never reads what an
+    in-place op overwrites (its ``self``), so the engine need not copy it before the op.
 
     >>> with BUDGETS.scoped():
-    ...     _ = register_budget(aten.histc.default, reads_overwritten=False)(lambda c: c.ulps("elementwise", 2.0))
+    ...     _ = register_budget(aten.histc.default, family=Family.ELEMENTWISE, reads_overwritten=False)(
+    ...         lambda c: c.ulps(2.0))
     ...     reads_overwritten(aten.histc.default)
     False
     """
 
     def deco(rule: Rule) -> Rule:
-        BUDGETS.register(*ops)(BudgetRule(rule, reads_overwritten))
+        held = _held(rule, family, reads_overwritten, ops)
+        BUDGETS.register(*ops, family=held.family)(held)
         return rule
 
     return deco
 
 
-def register_budget_predicate(pred: Callable[[OpPlan], bool], *,
+def register_budget_predicate(pred: Callable[[OpPlan], bool], *, family: str | None = None,
                               reads_overwritten: bool = True) -> Callable[[Rule], Rule]:
     """Register a rule for every op whose plan satisfies ``pred`` (tried in registration order, after
-    exact ops); ``reads_overwritten`` as for :func:`register_budget`."""
+    exact ops); ``family`` and ``reads_overwritten`` as for :func:`register_budget`."""
 
     def deco(rule: Rule) -> Rule:
-        BUDGETS.register_predicate(pred)(BudgetRule(rule, reads_overwritten))
+        held = _held(rule, family, reads_overwritten)
+        BUDGETS.register_predicate(pred, family=held.family)(held)
         return rule
 
     return deco
@@ -590,7 +631,7 @@ def budget_for(func: OpOverload, args: Sequence | None, kwargs: dict | None, out
     if rule is not None:  # it answers every call, reading no argument
         return rule.budget(outputs, dtype)
     if _nothing_to_bound(outputs):
-        return Budget.in_ulps("empty", 0.0, outputs, dtype)
+        return Budget.in_ulps(Family.EMPTY, 0.0, outputs, dtype)
     if args is None:
         raise TypeError(f"budget_for({func}): its budget rule reads the op's arguments (fixed_budget is None): "
                         "pass them")

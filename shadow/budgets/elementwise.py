@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..opsets import DATA_MOVEMENT, PARTIAL_WRITES, SELECTION, VIEW_COPIES
+from ..opsets import DATA_MOVEMENT, PARTIAL_WRITES, SELECTION, VIEW_COPIES, Family
+from ..plan import OpPlan
 from .core import (Budget, BudgetCall, InUlps, is_float, magnitude, overloads, register_budget,
                    register_budget_predicate)
 
@@ -59,7 +60,7 @@ POLYNOMIALS = (
 REFLECTED = ("lgamma", "digamma", "polygamma")  # special functions with a reflection formula for x < 0
 
 
-def register_ulps(ops: Iterable, family: str, ulps: float) -> None:
+def register_ulps(ops: Iterable, family: Family, ulps: float) -> None:
     """Bound ``ops`` by ``ulps`` units in the last place of the result (``InUlps``: a rule that reads no
     argument): an elementwise kernel given exact inputs."""
     register_budget(*ops, reads_overwritten=False)(InUlps(family, ulps))
@@ -73,7 +74,7 @@ def with_operand_term(c: BudgetCall, ulps: float, term: Callable[[], Any], alpha
     is ``alpha`` times the term (``term()``, or what ``op`` forms from it and ``other``: ``UlpsPlus``) added to
     the ulps (``BudgetCall.ulps_plus``): the comparison forms it where it reads the result, so the optimizer's
     add/addcmul/addcdiv/lerp (every parameter, every step) write neither a bound nor a term tensor."""
-    return c.ulps_plus("elementwise", ulps, term, alpha, op, other)
+    return c.ulps_plus(ulps, term, alpha, op, other)
 
 
 def _arg0(c: BudgetCall) -> Any:
@@ -111,11 +112,11 @@ def operand_term_rule(c: BudgetCall, *, ulps: float, term: Callable[[BudgetCall]
 for _names, _class in ((ARITH, "arith"), (TRANSCENDENTAL, "transcendental")):
     for _name in _names:
         if _name in OPERAND_TERMS:
-            register_budget(*overloads(_name))(
+            register_budget(*overloads(_name), family=Family.ELEMENTWISE)(
                 functools.partial(operand_term_rule, ulps=ULPS[_class], term=OPERAND_TERMS[_name]))
         else:
-            register_ulps(overloads(_name), "elementwise", ULPS[_class])
-register_ulps(sorted(MOVEMENT, key=str), "movement", ULPS["movement"])
+            register_ulps(overloads(_name), Family.ELEMENTWISE, ULPS[_class])
+register_ulps(sorted(MOVEMENT, key=str), Family.MOVEMENT, ULPS["movement"])
 
 
 def _reflection_term(c: BudgetCall) -> Any:
@@ -132,12 +133,12 @@ def _reflection_term(c: BudgetCall) -> Any:
     return _SPECIAL_ABS * c.u + k * scale
 
 
-register_budget(*overloads(*(n for n in SPECIAL if n not in REFLECTED)))(
+register_budget(*overloads(*(n for n in SPECIAL if n not in REFLECTED)), family=Family.ELEMENTWISE)(
     functools.partial(operand_term_rule, ulps=ULPS["special"], term=lambda c: _SPECIAL_ABS * c.u))
-register_budget(*overloads(*REFLECTED))(
+register_budget(*overloads(*REFLECTED), family=Family.ELEMENTWISE)(
     functools.partial(operand_term_rule, ulps=ULPS["special"], term=_reflection_term))
 # recurrences for degree-n polynomials lose ~n^2 u relative to max(1, |P_n|) near their roots
-register_budget(*overloads(*POLYNOMIALS))(functools.partial(
+register_budget(*overloads(*POLYNOMIALS), family=Family.ELEMENTWISE)(functools.partial(
     operand_term_rule, ulps=ULPS["special"], term=lambda c: 4 * c.u * magnitude(c.a["n"]) ** 2 * (1 + c.out().abs())))
 
 
@@ -146,7 +147,7 @@ def _near_integer(q: torch.Tensor, u: float) -> torch.Tensor:
     return (q - q.round()).abs() <= 4 * u * q.abs() + 4 * u
 
 
-@register_budget(*overloads("div", "floor_divide", "remainder", "fmod"))
+@register_budget(*overloads("div", "floor_divide", "remainder", "fmod"), family=Family.ELEMENTWISE)
 def quotient_budget(c: BudgetCall) -> Budget:
     """Plain division: ulps. floor/trunc division, remainder, fmod: PyTorch rounds a/b before flooring, so
     where a/b is within u of an integer the result may be off by one step (1 for the quotient, |b| for the
@@ -154,7 +155,7 @@ def quotient_budget(c: BudgetCall) -> Budget:
     name = c.plan.base
     mode = c.a.get("rounding_mode")
     if name == "div" and mode is None:
-        return c.ulps("elementwise", ULPS["arith"])
+        return c.ulps(ULPS["arith"])
     a, b = c.a["self"], c.a["other"]
     r = c.out()
 
@@ -164,19 +165,22 @@ def quotient_budget(c: BudgetCall) -> Budget:
         step = near if name in ("div", "floor_divide") else near * magnitude(torch.as_tensor(b, dtype=torch.float64))
         return [c.ulp_bound(r, ULPS["arith"]) + step]
 
-    return c.budget("elementwise", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("linspace", "arange", "_histogramdd_bin_edges", "range"))
+@register_budget(*overloads("linspace", "arange", "_histogramdd_bin_edges", "range"), family=Family.ELEMENTWISE)
 def linspace_budget(c: BudgetCall) -> Budget:
     """start + i * step: the roundings are relative to the largest value, not to each (a value near 0 in
     the middle of the range keeps an error of ~u * max|r|)."""
     outs = c.outputs
-    return c.budget("elementwise", lambda: [
+    return c.budget(lambda: [
         None if not is_float(r) else c.ulp_bound(r, 2.0) + 4 * c.u * (r.abs().max() if r.numel() else 0.0)
         for r in outs])
 
 
-# pointwise ops no family names (tagged ``torch.Tag.pointwise``)
-register_budget_predicate(lambda plan: torch.Tag.pointwise in plan.tags, reads_overwritten=False)(
-    InUlps("elementwise", ULPS["pointwise"]))
+def pointwise(plan: OpPlan) -> bool:
+    """Tagged ``torch.Tag.pointwise``: the ops no rule above names."""
+    return torch.Tag.pointwise in plan.tags
+
+
+register_budget_predicate(pointwise, reads_overwritten=False)(InUlps(Family.ELEMENTWISE, ULPS["pointwise"]))

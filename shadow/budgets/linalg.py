@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..metrics import fused_bounds
-from ..opsets import CONVOLUTIONS, MATMULS
+from ..opsets import CONVOLUTIONS, MATMULS, Family
 from ..plan import OpPlan
 from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, aten, coefficient, gamma, is_float,
                    overloads, reduced_dims, register_budget, register_budget_predicate, sumsq)
@@ -50,7 +50,7 @@ def _sq_sum(c: BudgetCall, t: torch.Tensor, dim: int) -> torch.Tensor:
 def _sq_sums(c: BudgetCall, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """|t|**2 summed along t's rows and down its columns (dims -1 and -2, keepdim): the bound reads a matmul's
     operands one way and the scale the other, so both come from one read where the fused pass reads t
-    (``_fused.squares``: a 2-D float64 matrix, by rows or by columns), else from ``_sq_sum``."""
+    (``shadow._fused_bounds.squares``: a 2-D float64 matrix, by rows or by columns), else from ``_sq_sum``."""
     both = None if fused_bounds is None else fused_bounds.squares(t)
     return both if both is not None else (_sq_sum(c, t, -1), _sq_sum(c, t, -2))
 
@@ -105,7 +105,7 @@ def _addmm_like(c: BudgetCall, A: torch.Tensor, B: torch.Tensor, K: int, bias: A
             s += sumsq(bias) * (r.numel() / max(bias.numel(), 1)) * abs(beta) ** 2
         return s + c.out_rounding_sq(r_sq), acc
 
-    return c.budget("matmul", make, scale_sq)
+    return c.budget(make, scale_sq)
 
 
 def _factors(c: BudgetCall) -> tuple[Any, Any, Any]:
@@ -114,7 +114,7 @@ def _factors(c: BudgetCall) -> tuple[Any, Any, Any]:
     return c.a[m.a], c.a[m.b], c.a[m.bias] if m.bias is not None else None
 
 
-@register_budget(*overloads("mm", "bmm", "matmul", "addmm", "baddbmm"))
+@register_budget(*overloads("mm", "bmm", "matmul", "addmm", "baddbmm"), family=Family.MATMUL)
 def mm_budget(c: BudgetCall) -> Budget:
     """beta * bias + alpha * (A @ B), batched on leading dims."""
     A, B, bias = _factors(c)
@@ -123,17 +123,17 @@ def mm_budget(c: BudgetCall) -> Budget:
     return _addmm_like(c, A, B, A.shape[-1], bias, c.a.get("beta"), c.a.get("alpha"))
 
 
-@register_budget(*overloads("_addmm_activation"))
+@register_budget(*overloads("_addmm_activation"), family=Family.MATMUL)
 def addmm_activation_budget(c: BudgetCall) -> Budget:
     """relu (1-Lipschitz) or gelu (Lipschitz ``GELU_LIPSCHITZ``) after addmm, plus the activation's own ulps."""
     A, B, bias = _factors(c)
     b = _addmm_like(c, A, B, A.shape[-1], bias, c.a.get("beta"), c.a.get("alpha"))
     r = c.out()
-    return c.budget("matmul", lambda: [GELU_LIPSCHITZ * b.bound[0] + c.ulp_bound(r, ULPS["transcendental"])],
+    return c.budget(lambda: [GELU_LIPSCHITZ * b.bound[0] + c.ulp_bound(r, ULPS["transcendental"])],
                     b.scales)
 
 
-@register_budget(*overloads("addbmm"))
+@register_budget(*overloads("addbmm"), family=Family.MATMUL)
 def addbmm_budget(c: BudgetCall) -> Budget:
     """beta*C + alpha*sum_b A_b @ B_b: one inner product of length batch*K."""
     A, B, bias = _factors(c)
@@ -142,14 +142,14 @@ def addbmm_budget(c: BudgetCall) -> Budget:
     return _addmm_like(c, Af, Bf, Af.shape[-1], bias, c.a.get("beta"), c.a.get("alpha"))
 
 
-@register_budget(*overloads("mv", "addmv"))
+@register_budget(*overloads("mv", "addmv"), family=Family.MATMUL)
 def mv_budget(c: BudgetCall) -> Budget:
     A, v, bias = _factors(c)
     return _addmm_like(c, A, v.unsqueeze(-1), A.shape[-1], None if bias is None else bias.reshape(-1, 1),
                        c.a.get("beta"), c.a.get("alpha"))
 
 
-@register_budget(*overloads("dot", "vdot", "inner"))
+@register_budget(*overloads("dot", "vdot", "inner"), family=Family.MATMUL)
 def dot_budget(c: BudgetCall) -> Budget:
     a, b, _ = _factors(c)
     if a.dim() != 1:
@@ -161,11 +161,11 @@ def dot_budget(c: BudgetCall) -> Budget:
         terms, r_sq = float((a.abs() * b.abs()).square().sum()), sumsq(r)
         return 2.0 * terms + c.out_rounding_sq(r_sq), accumulation_sq(n, terms, r_sq)
 
-    return c.budget("matmul", lambda: [add_into(c.final(r), (a.abs() * b.abs()).sum(), alpha=gamma(n, c.ua))],
+    return c.budget(lambda: [add_into(c.final(r), (a.abs() * b.abs()).sum(), alpha=gamma(n, c.ua))],
                     scale_sq)
 
 
-@register_budget(*overloads("addr", "outer", "ger"))
+@register_budget(*overloads("addr", "outer", "ger"), family=Family.MATMUL)
 def addr_budget(c: BudgetCall) -> Budget:
     """beta*C + alpha*v1 v2^T: products and one add per element, intermediates possibly in the device dtype."""
     v1, v2 = c.a.get("vec1", c.a.get("self")), c.a.get("vec2")
@@ -179,7 +179,7 @@ def addr_budget(c: BudgetCall) -> Budget:
             t = t + abs(beta) * bias.abs()
         return [c.final(r, 2.0) + 3 * c.u * t]
 
-    return c.budget("matmul", make)
+    return c.budget(make)
 
 
 # --- convolution: gamma_K(ua) * (|x| conv |w|), K = C_in/groups * prod(kernel) ---
@@ -219,7 +219,7 @@ def _conv_magnitude(x: torch.Tensor, w: torch.Tensor, a: dict, scale: float = 1.
     return (xn * wn).reshape(N, c_out, *spatial)
 
 
-@register_budget(*overloads(*CONVOLUTIONS))
+@register_budget(*overloads(*CONVOLUTIONS), family=Family.CONV)
 def conv_budget(c: BudgetCall) -> Budget:
     m = CONVOLUTIONS[c.plan.base]
     x, w, bias = c.a[m.a], c.a[m.b], c.a[m.bias]
@@ -250,10 +250,10 @@ def conv_budget(c: BudgetCall) -> Budget:
             sumsq(torch.broadcast_to(bias.reshape(1, -1, *([1] * (r.dim() - 2))), r.shape)) if bias is not None
             else 0.0), accumulation_sq(K, terms, r_sq)
 
-    return c.budget("conv", make, scale_sq)
+    return c.budget(make, scale_sq)
 
 
-@register_budget(*overloads("convolution_backward"))
+@register_budget(*overloads("convolution_backward"), family=Family.CONV)
 def conv_backward_budget(c: BudgetCall) -> Budget:
     """(grad_input, grad_weight, grad_bias), each an inner product bounded as the forward:
     grad_input: K = C_out/groups * prod(kernel) terms, magnitude <= ||grad_output window|| * ||w[:, ci]||
@@ -317,7 +317,7 @@ def conv_backward_budget(c: BudgetCall) -> Budget:
                                                          m.reshape(r.shape), alpha=g)))
         return bounds
 
-    return c.budget("conv", make, lambda: _results_accumulated(c, (K_in, K_w, K_b)))
+    return c.budget(make, lambda: _results_accumulated(c, (K_in, K_w, K_b)))
 
 
 def _results_accumulated(c: BudgetCall, Ks: Sequence[int]) -> tuple[float, float]:
@@ -337,7 +337,7 @@ def _results_accumulated(c: BudgetCall, Ks: Sequence[int]) -> tuple[float, float
 _FFT_C = 8.0
 
 
-@register_budget(*overloads("_fft_r2c", "_fft_c2r", "_fft_c2c"))
+@register_budget(*overloads("_fft_r2c", "_fft_c2r", "_fft_c2c"), family=Family.FFT)
 def fft_budget(c: BudgetCall) -> Budget:
     x, r = c.a["self"], c.out()
     dims = reduced_dims(x, c.a["dim"])
@@ -354,11 +354,11 @@ def fft_budget(c: BudgetCall) -> Budget:
         xn = torch.linalg.vector_norm(x, dim=dims, keepdim=True)
         return [add_into(c.final(r, 2.0), xn, alpha=rel * math.sqrt(n) * herm * norm).expand(r.shape)]
 
-    return c.budget("fft", make)
+    return c.budget(make)
 
 
 # --- pairwise distances: p = 2 goes through a matmul (|x|^2 + |y|^2 - 2 x.y) and cancels ---
-@register_budget(*overloads("_cdist_forward"))
+@register_budget(*overloads("_cdist_forward"), family=Family.REDUCTION)
 def cdist_budget(c: BudgetCall) -> Budget:
     x1, x2, r = c.a["x1"], c.a["x2"], c.out()
     p = float(c.a["p"])
@@ -370,14 +370,14 @@ def cdist_budget(c: BudgetCall) -> Budget:
             dd = 2 * gamma(K + 3, c.ua) * (n1 + n2)  # error of the squared distance
             return [torch.minimum(dd.sqrt(), dd / (2 * r.abs())) + c.final(r, 4.0)]
 
-        return c.budget("reduction", make)
+        return c.budget(make)
     if math.isinf(p) or p == 0:
-        return c.budget("reduction", lambda: [c.final(r, 2.0) + c.ua * r.abs()])
+        return c.budget(lambda: [c.final(r, 2.0) + c.ua * r.abs()])
     rel = (gamma(K, c.ua) + (EXP_ULPS + 1) * c.ua) / abs(p) + EXP_ULPS * c.ua
-    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=rel)])
+    return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=rel)])
 
 
-@register_budget(*overloads("linalg_cross", "cross"))
+@register_budget(*overloads("linalg_cross", "cross"), family=Family.ELEMENTWISE)
 def cross_budget(c: BudgetCall) -> Budget:
     """a_i b_j - a_j b_i: two products, one cancelling difference: 3 u (|a_i b_j| + |a_j b_i|)."""
     a_, b_, r = c.a["self"], c.a["other"], c.out()
@@ -388,7 +388,7 @@ def cross_budget(c: BudgetCall) -> Budget:
         aa, bb = torch.broadcast_tensors(a_.abs(), b_.abs())
         return [c.final(r) + 3 * c.u * (aa.roll(1, dim) * bb.roll(-1, dim) + aa.roll(-1, dim) * bb.roll(1, dim))]
 
-    return c.budget("elementwise", make)
+    return c.budget(make)
 
 
 # --- no a-priori bound: errors set by the inputs' conditioning, not by shapes ---
@@ -400,20 +400,20 @@ UNBOUNDED_NAMES = frozenset((
 ))
 
 
-def _unbounded(plan: OpPlan) -> bool:
+def solves_and_factorizations(plan: OpPlan) -> bool:
     return plan.base.startswith(("linalg_", "_linalg_")) or plan.base in UNBOUNDED_NAMES
 
 
-@register_budget_predicate(_unbounded)
+@register_budget_predicate(solves_and_factorizations, family=Family.UNBOUNDED)
 def unbounded_budget(c: BudgetCall) -> Budget:
     """Linear algebra (solves, factorizations, eigen/singular values, inverses): the error of a correct
     implementation scales with the condition number, which the shapes do not give: bound = inf."""
-    return c.budget("unbounded", lambda: [torch.full_like(r, math.inf, dtype=torch.float64) if is_float(r) and not
+    return c.budget(lambda: [torch.full_like(r, math.inf, dtype=torch.float64) if is_float(r) and not
                                           r.is_complex() else (torch.full(r.shape, math.inf, dtype=torch.float64, device=r.device)
                                                                if is_float(r) else None) for r in c.outputs])
 
 
-@register_budget(*overloads("_trilinear"))
+@register_budget(*overloads("_trilinear"), family=Family.MATMUL)
 def trilinear_budget(c: BudgetCall) -> Budget:
     """sum over sumdim of i1 * i2 * i3 (nn.Bilinear): the op on magnitudes; intermediates (the kernel forms
     i1 x i2 first) may be rounded to the device dtype."""
@@ -424,4 +424,4 @@ def trilinear_budget(c: BudgetCall) -> Budget:
         mag = c.call_with(i1=a["i1"].abs(), i2=a["i2"].abs(), i3=a["i3"].abs())
         return [add_into(c.final(r), mag, alpha=gamma(n + 2, c.ua) + 4 * c.u)]
 
-    return c.budget("matmul", make)
+    return c.budget(make)

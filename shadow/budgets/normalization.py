@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..opsets import Family
 from .core import Budget, BudgetCall, add_into, gamma, is_float, numel_over, overloads, register_budget
 
 
@@ -120,7 +121,7 @@ def _stat_bounds(c: BudgetCall, v: _NormView, mu: torch.Tensor, rstd: torch.Tens
     return [(dmu + c.final(v.stat(mu))).reshape(mu.shape), (drstd + c.final(v.stat(rstd))).reshape(rstd.shape)]
 
 
-@register_budget(*overloads("native_layer_norm"))
+@register_budget(*overloads("native_layer_norm"), family=Family.NORM)
 def layer_norm_budget(c: BudgetCall) -> Budget:
     x, y, mu, rstd = c.a["input"], c.out(0), c.out(1), c.out(2)
     v = _ln_view(x, c.a["normalized_shape"])
@@ -129,10 +130,10 @@ def layer_norm_budget(c: BudgetCall) -> Budget:
         by, dmu, drstd = _norm_forward(c, v, y, mu, rstd, c.a.get("weight"), c.a.get("bias"), c.a["eps"], True)
         return [by, *_stat_bounds(c, v, mu, rstd, dmu, drstd)]
 
-    return c.budget("norm", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("native_group_norm"))
+@register_budget(*overloads("native_group_norm"), family=Family.NORM)
 def group_norm_budget(c: BudgetCall) -> Budget:
     x, y, mu, rstd = c.a["input"], c.out(0), c.out(1), c.out(2)
     v = _gn_view(x, c.a["N"], c.a["C"], c.a["group"])
@@ -141,7 +142,7 @@ def group_norm_budget(c: BudgetCall) -> Budget:
         by, dmu, drstd = _norm_forward(c, v, y, mu, rstd, c.a.get("weight"), c.a.get("bias"), c.a["eps"], True)
         return [by, *_stat_bounds(c, v, mu, rstd, dmu, drstd)]
 
-    return c.budget("norm", make)
+    return c.budget(make)
 
 
 def batch_norm_budget(c: BudgetCall, *, training: bool | None = None) -> Budget:
@@ -166,22 +167,23 @@ def batch_norm_budget(c: BudgetCall, *, training: bool | None = None) -> Budget:
         out.extend(torch.zeros_like(t) if isinstance(t, torch.Tensor) else None for t in c.outputs[3:])
         return out
 
-    return c.budget("norm", make)
+    return c.budget(make)
 
 
-register_budget(*overloads("native_batch_norm", "_native_batch_norm_legit"))(batch_norm_budget)
-register_budget(*overloads("_native_batch_norm_legit_no_training", "_batch_norm_no_update"))(
+register_budget(*overloads("native_batch_norm", "_native_batch_norm_legit"), family=Family.NORM)(batch_norm_budget)
+register_budget(*overloads("_native_batch_norm_legit_no_training", "_batch_norm_no_update"), family=Family.NORM)(
     functools.partial(batch_norm_budget, training=False))
-register_budget(*overloads("_batch_norm_with_update"))(functools.partial(batch_norm_budget, training=True))
+register_budget(*overloads("_batch_norm_with_update"), family=Family.NORM)(
+    functools.partial(batch_norm_budget, training=True))
 
 
-@register_budget(*overloads("_fused_rms_norm"))
+@register_budget(*overloads("_fused_rms_norm"), family=Family.NORM)
 def rms_norm_budget(c: BudgetCall) -> Budget:
     """y = x * rstd * w, rstd = (mean(x^2) + eps)^-1/2: relative 0.5 gamma_{n+1}(ua) + rsqrt, then 2 products."""
     v = _ln_view(c.a["input"], c.a["normalized_shape"])
     rel = 0.5 * gamma(v.n + 1, c.ua) + 3 * c.ua
     y, rstd = c.out(0), c.out(1)
-    return c.budget("norm", lambda: [add_into(c.final(y), y.abs(), alpha=rel + 3 * c.ua),
+    return c.budget(lambda: [add_into(c.final(y), y.abs(), alpha=rel + 3 * c.ua),
                                      add_into(c.final(rstd), rstd.abs(), alpha=rel)])
 
 
@@ -242,20 +244,20 @@ def _norm_backward(c: BudgetCall, v: _NormView, dy: torch.Tensor, mu: torch.Tens
     return bounds
 
 
-@register_budget(*overloads("native_layer_norm_backward"))
+@register_budget(*overloads("native_layer_norm_backward"), family=Family.NORM)
 def layer_norm_backward_budget(c: BudgetCall) -> Budget:
     a = c.a
     v = _ln_view(a["input"], a["normalized_shape"])
     w = a.get("weight")
-    return c.budget("norm", lambda: _norm_backward(
+    return c.budget(lambda: _norm_backward(
         c, v, a["grad_out"], a["mean"], a["rstd"], None if w is None else w.reshape(-1), c.outputs))
 
 
-@register_budget(*overloads("native_group_norm_backward"))
+@register_budget(*overloads("native_group_norm_backward"), family=Family.NORM)
 def group_norm_backward_budget(c: BudgetCall) -> Budget:
     a = c.a
     v = _gn_view(a["input"], a["N"], a["C"], a["group"])
-    return c.budget("norm", lambda: _norm_backward(c, v, a["grad_out"], a["mean"], a["rstd"], a.get("weight"),
+    return c.budget(lambda: _norm_backward(c, v, a["grad_out"], a["mean"], a["rstd"], a.get("weight"),
                                                    c.outputs))
 
 
@@ -271,15 +273,15 @@ def _bn_backward(c: BudgetCall, train: bool, saved_rstd: str) -> Budget:
             mu, rstd = a["running_mean"], (a["running_var"] + a["eps"]).rsqrt()
         return _norm_backward(c, v, a["grad_out"], mu, rstd, a.get("weight"), c.outputs, train)
 
-    return c.budget("norm", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("native_batch_norm_backward"))
+@register_budget(*overloads("native_batch_norm_backward"), family=Family.NORM)
 def batch_norm_backward_budget(c: BudgetCall) -> Budget:
     return _bn_backward(c, bool(c.a["train"]), "save_invstd")
 
 
-@register_budget(*overloads("batch_norm_backward"))
+@register_budget(*overloads("batch_norm_backward"), family=Family.NORM)
 def batch_norm_backward2_budget(c: BudgetCall) -> Budget:
     """The backward of _batch_norm_with_update / _batch_norm_no_update: ``save_var`` holds the saved
     inverse standard deviation (what the forward returned), empty when the running statistics were used."""
@@ -288,7 +290,7 @@ def batch_norm_backward2_budget(c: BudgetCall) -> Budget:
                         "save_var")
 
 
-@register_budget(*overloads("_fused_rms_norm_backward"))
+@register_budget(*overloads("_fused_rms_norm_backward"), family=Family.NORM)
 def rms_norm_backward_budget(c: BudgetCall) -> Budget:
     """As layer norm's backward with mean 0."""
     a = c.a
@@ -296,5 +298,5 @@ def rms_norm_backward_budget(c: BudgetCall) -> Budget:
     rstd = a["rstd"]
     w = a.get("weight")
     outs = [c.outputs[0], c.outputs[1] if len(c.outputs) > 1 else None, None]
-    return c.budget("norm", lambda: _norm_backward(c, v, a["grad_out"], torch.zeros_like(rstd), rstd,
+    return c.budget(lambda: _norm_backward(c, v, a["grad_out"], torch.zeros_like(rstd), rstd,
                                                    None if w is None else w.reshape(-1), outs)[:len(c.outputs)])

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..opsets import Family
+from ..plan import OpPlan
 from .core import (Budget, BudgetCall, budget_for, coefficient, foreach_base, magnitude, overloads,
                    register_budget, register_budget_predicate)
 from .elementwise import ULPS, with_operand_term
@@ -28,24 +30,24 @@ def _same(a: Any, b: Any) -> bool:
                       and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
-@register_budget(*overloads("add", "sub"), reads_overwritten=False)
+@register_budget(*overloads("add", "sub"), family=Family.ELEMENTWISE, reads_overwritten=False)
 def add_budget(c: BudgetCall) -> Budget:
     """a + alpha*b: ulps of the result, plus the rounding of alpha*b (or of a Python scalar b) before the add."""
     other, alpha = c.a.get("other"), coefficient(c.a.get("alpha"))
     if isinstance(other, torch.Tensor) and alpha == 1:
-        return c.ulps("elementwise", ARITH_ULPS)
+        return c.ulps(ARITH_ULPS)
     k = 2 * c.u * abs(alpha)
     return with_operand_term(c, ARITH_ULPS, lambda: other, k, "abs")
 
 
-@register_budget(*overloads("rsub"))
+@register_budget(*overloads("rsub"), family=Family.ELEMENTWISE)
 def rsub_budget(c: BudgetCall) -> Budget:
     """other - alpha*self: as add, with the roles of the operands swapped."""
     self_, other, alpha = c.a["self"], c.a.get("other"), coefficient(c.a.get("alpha"))
     return with_operand_term(c, ARITH_ULPS, lambda: 2 * c.u * (magnitude(alpha) * magnitude(self_) + magnitude(other)))
 
 
-@register_budget(*overloads("addcmul"), reads_overwritten=False)
+@register_budget(*overloads("addcmul"), family=Family.ELEMENTWISE, reads_overwritten=False)
 def addcmul_budget(c: BudgetCall) -> Budget:
     """self + value*t1*t2: the product is rounded (twice, value included) before the add."""
     t1, t2 = c.a["tensor1"], c.a["tensor2"]
@@ -55,7 +57,7 @@ def addcmul_budget(c: BudgetCall) -> Budget:
     return with_operand_term(c, ARITH_ULPS, lambda: t1, k, "mul", t2)
 
 
-@register_budget(*overloads("addcdiv"), reads_overwritten=False)
+@register_budget(*overloads("addcdiv"), family=Family.ELEMENTWISE, reads_overwritten=False)
 def addcdiv_budget(c: BudgetCall) -> Budget:
     """self + value*t1/t2: the quotient is rounded (twice, value included) before the add."""
     a = c.a
@@ -63,7 +65,7 @@ def addcdiv_budget(c: BudgetCall) -> Budget:
     return with_operand_term(c, ARITH_ULPS, lambda: a["tensor1"], k, "div", a["tensor2"])
 
 
-@register_budget(*overloads("lerp"))
+@register_budget(*overloads("lerp"), family=Family.ELEMENTWISE)
 def lerp_budget(c: BudgetCall) -> Budget:
     """start + w*(end - start) (or end - (1-w)*(end - start)): the difference and its product are rounded."""
     a = c.a
@@ -76,9 +78,14 @@ def lerp_budget(c: BudgetCall) -> Budget:
 
 
 # --- foreach ops: each list element under the rule of the op the name says ---
-@register_budget_predicate(lambda plan: foreach_base(plan.func) is not None)
+def foreach_ops(plan: OpPlan) -> bool:
+    return foreach_base(plan.func) is not None
+
+
+@register_budget_predicate(foreach_ops, family=Family.FOREACH)
 def foreach_budget(c: BudgetCall) -> Budget:
-    """``_foreach_X``: element i of every list argument (tensor or scalar list) goes to X's rule."""
+    """``_foreach_X``: element i of every list argument (tensor or scalar list) goes to X's rule; the budget is
+    of X's family where every element's is the same."""
     base = foreach_base(c.func)
     schema = c.func._schema.arguments
     args = [c.a[arg.name] for arg in schema if not arg.kwarg_only]
@@ -96,7 +103,7 @@ def foreach_budget(c: BudgetCall) -> Budget:
                                scratch=c.scratch))
     families = {b.family for b in subs}
     ulps = {b.ulps for b in subs}
-    return Budget(families.pop() if len(families) == 1 else "foreach", lambda: [b.bound[0] for b in subs],
+    return Budget(families.pop() if len(families) == 1 else c.family, lambda: [b.bound[0] for b in subs],
                   outputs=c.outputs, dtype=c.dtype, is_default=any(b.is_default for b in subs),
                   ulps=ulps.pop() if len(ulps) == 1 else None,
                   scale_sq=lambda: tuple(map(sum, zip(*(b.scales() for b in subs)))),

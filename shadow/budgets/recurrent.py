@@ -5,7 +5,7 @@ The cells are short chains of elementwise operations, but their sums cancel (gat
 hx - n), so a few ulps of the result would not hold. Each output's bound is what the chain allows when every
 operation rounds once at ``ua`` (the accumulation type's unit roundoff, float32 for the halves, as CUDA computes the
 cells) and the sigmoid and tanh kernels err by ``EXP_ULPS`` units: the same Python function that the replay runs on
-float64 shadows (``shadow.replay.kernels``) runs here on ``Rounded`` values, which carry a value and its error
+float64 shadows (``shadow.replay.recurrent``) runs here on ``Rounded`` values, which carry a value and its error
 bound; then one rounding to the device dtype. docs/budgets.md: the fused RNN cells.
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..replay.kernels import gru_cell, gru_cell_backward, lstm_cell, lstm_cell_backward
+from ..opsets import Family
+from ..replay.recurrent import gru_cell, gru_cell_backward, lstm_cell, lstm_cell_backward
 from .core import EXP_ULPS, Budget, BudgetCall, gamma, register_budget
 
 aten = torch.ops.aten
@@ -134,9 +135,9 @@ _CELLS = {aten._thnn_fused_lstm_cell.default: _lstm, aten._thnn_fused_lstm_cell_
           aten._thnn_fused_gru_cell.default: _gru, aten._thnn_fused_gru_cell_backward.default: _gru_backward}
 
 
-@register_budget(*_CELLS)
+@register_budget(*_CELLS, family=Family.ELEMENTWISE)
 def fused_rnn_cell_budget(c: BudgetCall) -> Budget:
     """Each output's error bound carried through the cell's arithmetic (module docstring)."""
     def bounds() -> list:
         return [None if b is None else b.bound(c.u, c.ua) for b in _CELLS[c.func](c)]
-    return c.budget("elementwise", bounds)
+    return c.budget(bounds)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..opsets import Family
 from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, coefficient, gamma, magnitude,
                    numel_over, overloads, reduced_dims, register_budget, sumsq)
 from .elementwise import ULPS
@@ -68,25 +69,25 @@ def sum_budget(c: BudgetCall, *, mean: bool = False, nan: bool = False) -> Budge
         s, r_sq = sumsq(x) / (n * n if mean else 1), sumsq(r)  # the terms t = x (x / n for the mean)
         return s + c.out_rounding_sq(r_sq), accumulation_sq(n, s, r_sq)
 
-    return c.budget("reduction", make, scale_sq)
+    return c.budget(make, scale_sq)
 
 
-register_budget(*overloads("sum"))(sum_budget)
-register_budget(*overloads("mean"))(functools.partial(sum_budget, mean=True))
-register_budget(*overloads("nansum"))(functools.partial(sum_budget, nan=True))
-register_budget(*overloads("nanmean"))(functools.partial(sum_budget, mean=True, nan=True))
+register_budget(*overloads("sum"), family=Family.REDUCTION)(sum_budget)
+register_budget(*overloads("mean"), family=Family.REDUCTION)(functools.partial(sum_budget, mean=True))
+register_budget(*overloads("nansum"), family=Family.REDUCTION)(functools.partial(sum_budget, nan=True))
+register_budget(*overloads("nanmean"), family=Family.REDUCTION)(functools.partial(sum_budget, mean=True, nan=True))
 
 
-@register_budget(*overloads("prod"))
+@register_budget(*overloads("prod"), family=Family.REDUCTION)
 def prod_budget(c: BudgetCall) -> Budget:
     """n - 1 products, each relative: gamma_n * |r| + one rounding. Reduced-precision CPU kernels multiply in
     the device dtype, so gamma_n(u): a product has no cancellation for a wider accumulator to save."""
     x, r = c.a["self"], c.out()
     n = _reduced_numel(c, x)
-    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
+    return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
 
 
-@register_budget(*overloads("cumsum"))
+@register_budget(*overloads("cumsum"), family=Family.REDUCTION)
 def cumsum_budget(c: BudgetCall) -> Budget:
     """prefix k: gamma_k(ua) * sum_{j<=k} |x_j| <= gamma_n(ua) * cumsum(|x|)."""
     x, r = c.a["self"], c.out()
@@ -100,15 +101,15 @@ def cumsum_budget(c: BudgetCall) -> Budget:
         w = torch.arange(n, 0, -1, dtype=torch.float64, device=rr.device).reshape([n if i == d else 1 for i in range(rr.dim())])
         return sumsq(x) + c.out_rounding_sq(sumsq(r)), float(torch.nansum(rr.square() * w))
 
-    return c.budget("reduction", lambda: [add_into(c.final(r), _at_least_1d(x).abs().cumsum(dim).reshape(x.shape),
+    return c.budget(lambda: [add_into(c.final(r), _at_least_1d(x).abs().cumsum(dim).reshape(x.shape),
                                                     alpha=gamma(n, c.ua))], scale_sq)
 
 
-@register_budget(*overloads("cumprod"))
+@register_budget(*overloads("cumprod"), family=Family.REDUCTION)
 def cumprod_budget(c: BudgetCall) -> Budget:
     x, r = c.a["self"], c.out()
     n = x.shape[c.a["dim"]] if x.dim() else 1
-    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.ua))])
+    return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.ua))])
 
 
 def _lse_abs_bound(c: BudgetCall, n: int, r: torch.Tensor) -> torch.Tensor:
@@ -119,19 +120,19 @@ def _lse_abs_bound(c: BudgetCall, n: int, r: torch.Tensor) -> torch.Tensor:
     return add_into(c.final(r, 2.0) + const, r.abs(), alpha=c.ua)
 
 
-@register_budget(*overloads("logsumexp"))
+@register_budget(*overloads("logsumexp"), family=Family.REDUCTION)
 def logsumexp_budget(c: BudgetCall) -> Budget:
     x, r = c.a["self"], c.out()
     n = _reduced_numel(c, x)
-    return c.budget("reduction", lambda: [_lse_abs_bound(c, n, r)])
+    return c.budget(lambda: [_lse_abs_bound(c, n, r)])
 
 
-@register_budget(*overloads("logcumsumexp"))
+@register_budget(*overloads("logcumsumexp"), family=Family.REDUCTION)
 def logcumsumexp_budget(c: BudgetCall) -> Budget:
     x, r = c.a["self"], c.out()
     n = x.shape[c.a["dim"]] if x.dim() else 1
     # each step is a logaddexp: the worst case grows with the prefix like a sum
-    return c.budget("reduction", lambda: [_lse_abs_bound(c, n, r) + gamma(n, c.ua) * r.abs()])
+    return c.budget(lambda: [_lse_abs_bound(c, n, r) + gamma(n, c.ua) * r.abs()])
 
 
 def _var_parts(c: BudgetCall, x: torch.Tensor) -> tuple[torch.Tensor, int, float]:
@@ -165,13 +166,15 @@ def var_budget(c: BudgetCall, *, std: bool, with_mean: bool) -> Budget:
             bounds.append(add_into(c.final(m), s2.sqrt(), alpha=gamma(n + 1, c.ua) / math.sqrt(max(n, 1))))
         return bounds
 
-    return c.budget("reduction", make)
+    return c.budget(make)
 
 
-register_budget(*overloads("var"))(functools.partial(var_budget, std=False, with_mean=False))
-register_budget(*overloads("std"))(functools.partial(var_budget, std=True, with_mean=False))
-register_budget(*overloads("var_mean"))(functools.partial(var_budget, std=False, with_mean=True))
-register_budget(*overloads("std_mean"))(functools.partial(var_budget, std=True, with_mean=True))
+register_budget(*overloads("var"), family=Family.REDUCTION)(functools.partial(var_budget, std=False, with_mean=False))
+register_budget(*overloads("std"), family=Family.REDUCTION)(functools.partial(var_budget, std=True, with_mean=False))
+register_budget(*overloads("var_mean"), family=Family.REDUCTION)(
+    functools.partial(var_budget, std=False, with_mean=True))
+register_budget(*overloads("std_mean"), family=Family.REDUCTION)(
+    functools.partial(var_budget, std=True, with_mean=True))
 
 
 def norm_budget(c: BudgetCall) -> Budget:
@@ -182,26 +185,26 @@ def norm_budget(c: BudgetCall) -> Budget:
     p = c.a.get("ord", c.a.get("p"))
     p = 2.0 if p is None else float(p)
     if math.isinf(p) or p == 0:
-        return c.ulps("movement", ULPS["movement"])
+        return c.ulps(ULPS["movement"], family=Family.MOVEMENT)
     n = _reduced_numel(c, x)
     rel = (gamma(n, c.ua) + EXP_ULPS * c.ua) / abs(p) + EXP_ULPS * c.ua
     # the sum S of positive terms |x|**p accumulates as accumulation_sq (its term K/3 S**2 dominates), and
     # r = S**(1/p) carries 1/p of S's relative error: sum over outputs of K/3 (r/p)**2
-    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=rel)],
+    return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=rel)],
                     lambda: (sumsq(r), n / (3.0 * p * p) * sumsq(r)))
 
 
-register_budget(*overloads("linalg_vector_norm", "norm"))(norm_budget)
+register_budget(*overloads("linalg_vector_norm", "norm"), family=Family.REDUCTION)(norm_budget)
 
 
-@register_budget(*overloads("dist"))
+@register_budget(*overloads("dist"), family=Family.REDUCTION)
 def dist_budget(c: BudgetCall) -> Budget:
     """norm(x - y, p): the difference is relative to each term, so the norm bound holds with one more ua."""
     x = c.a["self"]
     y = c.a["other"]
     b = norm_budget(dataclasses.replace(c, named={"self": torch.broadcast_tensors(x, y)[0], "p": c.a.get("p")}))
     r = c.out()
-    return c.budget("reduction", lambda: [b.bound[0] + c.ua * r.abs()] if b.bound[0] is not None else [None])
+    return c.budget(lambda: [b.bound[0] + c.ua * r.abs()] if b.bound[0] is not None else [None])
 
 
 # --- softmax family: bounds from the reference output alone (cheap) ---
@@ -210,7 +213,7 @@ def _softmax_n(c: BudgetCall) -> int:
     return x.shape[c.a["dim"]] if x.dim() else 1
 
 
-@register_budget(*overloads("_softmax", "softmax", "special_softmax", "_safe_softmax"))
+@register_budget(*overloads("_softmax", "softmax", "special_softmax", "_safe_softmax"), family=Family.REDUCTION)
 def softmax_budget(c: BudgetCall) -> Budget:
     """y_i = exp(x_i - m) / S. Relative error of y_i: ua*(m - x_i) (rounding of x_i - m, then exp) + the
     same averaged by y over the row (<= ua log n, the entropy bound) + gamma_n(ua) (the sum) + exp and
@@ -225,10 +228,10 @@ def softmax_budget(c: BudgetCall) -> Budget:
 
     # the row sum S of positive terms accumulates as accumulation_sq (K/3 S**2), and every y_i carries
     # S's relative error: sum over outputs of n/3 y**2
-    return c.budget("reduction", make, lambda: (sumsq(y), n / 3.0 * sumsq(y)))
+    return c.budget(make, lambda: (sumsq(y), n / 3.0 * sumsq(y)))
 
 
-@register_budget(*overloads("_log_softmax", "log_softmax", "special_log_softmax"))
+@register_budget(*overloads("_log_softmax", "log_softmax", "special_log_softmax"), family=Family.REDUCTION)
 def log_softmax_budget(c: BudgetCall) -> Budget:
     """z_i = (x_i - m) - log S: ua*|x_i - m| <= ua*|z_i|, log S off by ua*(log n + c) + gamma_n(ua).
     Reduced-precision kernels round m + log S to the device dtype before subtracting it: u * |x_i - z_i|."""
@@ -243,20 +246,20 @@ def log_softmax_budget(c: BudgetCall) -> Budget:
         torch.add(torch.full((), 2 * c.floor() + const, dtype=torch.float64), b, alpha=2 * c.u + 2 * c.ua, out=b)
         return [b.add_(c.u * ((x - z).abs() + 2)) if c.u != c.ua else b]
 
-    return c.budget("reduction", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("_softmax_backward_data"))
+@register_budget(*overloads("_softmax_backward_data"), family=Family.REDUCTION)
 def softmax_backward_budget(c: BudgetCall) -> Budget:
     """gx = y * (g - sum_j g_j y_j): the dot is off by gamma_n(ua) sum|g y|, the difference and the product
     by ua each."""
     g, y, gx = c.a["grad_output"], c.a["output"], c.out()
     n = _softmax_n(c)
-    return c.budget("reduction", lambda: [
+    return c.budget(lambda: [
         c.final(gx) + 2 * c.ua * gx.abs() + gamma(n, c.ua) * y.abs() * (g * y).abs().sum(c.a["dim"], keepdim=True)])
 
 
-@register_budget(*overloads("_log_softmax_backward_data"))
+@register_budget(*overloads("_log_softmax_backward_data"), family=Family.REDUCTION)
 def log_softmax_backward_budget(c: BudgetCall) -> Budget:
     """gx = g - exp(z) * sum g: the sum is off by gamma_n(ua) sum|g|, exp by a few ulps, then two roundings."""
     g, z, gx = c.a["grad_output"], c.a["output"], c.out()
@@ -268,7 +271,7 @@ def log_softmax_backward_budget(c: BudgetCall) -> Budget:
         b = c.final(gx).add_(torch.abs(gx, out=c.empty(gx)).mul_(c.ua))
         return [b.add_(torch.exp(z, out=c.empty(z)).mul_(gamma(n, c.ua) * sa + (EXP_ULPS + 2) * c.ua * s.abs()))]
 
-    return c.budget("reduction", make)
+    return c.budget(make)
 
 
 # --- sums of inputs with nonnegative weights (pooling, scatter-add, embedding backward): the op itself
@@ -284,26 +287,27 @@ def _linear_sum(c: BudgetCall, names: Sequence[str], n: int) -> Budget:
         mag = c.call_with(**{k: magnitude(c.a[k]) for k in names if isinstance(c.a.get(k), (torch.Tensor, int, float))})
         return [add_into(c.final(r), mag, alpha=gamma(n + 1, c.u))]
 
-    return c.budget("reduction", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("avg_pool1d", "avg_pool2d", "avg_pool3d"))
+@register_budget(*overloads("avg_pool1d", "avg_pool2d", "avg_pool3d"), family=Family.REDUCTION)
 def avg_pool_budget(c: BudgetCall) -> Budget:
     return _linear_sum(c, ["self", "divisor_override"], math.prod(c.a["kernel_size"]) + 1)
 
 
-@register_budget(*overloads("avg_pool2d_backward", "avg_pool3d_backward"))
+@register_budget(*overloads("avg_pool2d_backward", "avg_pool3d_backward"), family=Family.REDUCTION)
 def avg_pool_backward_budget(c: BudgetCall) -> Budget:
     return _linear_sum(c, ["grad_output", "divisor_override"], math.prod(c.a["kernel_size"]) + 1)
 
 
-@register_budget(*overloads("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"))
+@register_budget(*overloads("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"),
+                 family=Family.REDUCTION)
 def max_pool_backward_budget(c: BudgetCall) -> Budget:
     return _linear_sum(c, ["grad_output"], math.prod(c.a["kernel_size"]))
 
 
 @register_budget(*overloads("_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_avg_pool1d",
-                            "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward"))
+                            "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward"), family=Family.REDUCTION)
 def adaptive_avg_pool_budget(c: BudgetCall) -> Budget:
     x = c.a.get("self")
     g = c.a.get("grad_output")
@@ -314,7 +318,7 @@ def adaptive_avg_pool_budget(c: BudgetCall) -> Budget:
     return _linear_sum(c, ["self", "grad_output"] if g is None else ["grad_output"], n + 1)
 
 
-@register_budget(*overloads("embedding_dense_backward"))
+@register_budget(*overloads("embedding_dense_backward"), family=Family.REDUCTION)
 def embedding_backward_budget(c: BudgetCall) -> Budget:
     idx = c.a["indices"]
     n = idx.numel()
@@ -325,38 +329,38 @@ def embedding_backward_budget(c: BudgetCall) -> Budget:
 
 @register_budget(*overloads("index_add", "scatter_add", "index_put", "_index_put_impl", "put", "col2im",
                             "unfold_backward", "trace", "_unsafe_masked_index_put_accumulate",
-                            "_unsafe_index_put"))
+                            "_unsafe_index_put"), family=Family.REDUCTION)
 def scatter_add_budget(c: BudgetCall) -> Budget:
     """Sums into places: the op on magnitudes. index_put/put without accumulate are copies."""
     if c.a.get("accumulate") is False:
-        return c.ulps("movement", ULPS["movement"])
+        return c.ulps(ULPS["movement"], family=Family.MOVEMENT)
     src = next((c.a[k] for k in ("source", "src", "values", "self") if isinstance(c.a.get(k), torch.Tensor)), None)
     n = src.numel() if src is not None else 1
     alpha = coefficient(c.a.get("alpha"))
     b = _linear_sum(c, ["self", "source", "src", "values", "grad_in", "grad", "alpha"], n + 2)
     return b if alpha == 1 else c.budget(
-        "reduction", lambda: [b.bound[0] * max(1.0, abs(alpha)) + 2 * c.ua * abs(alpha) * c.out().abs()])
+        lambda: [b.bound[0] * max(1.0, abs(alpha)) + 2 * c.ua * abs(alpha) * c.out().abs()])
 
 
-@register_budget(*overloads("scatter_reduce", "index_reduce"))
+@register_budget(*overloads("scatter_reduce", "index_reduce"), family=Family.REDUCTION)
 def scatter_reduce_budget(c: BudgetCall) -> Budget:
     red = c.a["reduce"]
     if red in ("amax", "amin"):
-        return c.ulps("movement", ULPS["movement"])
+        return c.ulps(ULPS["movement"], family=Family.MOVEMENT)
     src = c.a.get("src", c.a.get("source"))
     n = src.numel() + 1
     if red in ("sum", "mean"):
         return _linear_sum(c, ["self", "src", "source"], n + 1)
     r = c.out()  # prod: relative, multiplied in the device dtype
-    return c.budget("reduction", lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
+    return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
 
 
-@register_budget(*overloads("_embedding_bag", "_embedding_bag_forward_only"))
+@register_budget(*overloads("_embedding_bag", "_embedding_bag_forward_only"), family=Family.REDUCTION)
 def embedding_bag_budget(c: BudgetCall) -> Budget:
     """mode sum/mean: a sum per bag, bounded on magnitudes; mode max: a selection. Other outputs are indices."""
     a, r = c.a, c.out()
     if a.get("mode", 0) == 2:
-        return c.budget("movement", lambda: [c.ulp_bound(r, 1.0)] + [None] * (len(c.outputs) - 1))
+        return c.budget(lambda: [c.ulp_bound(r, 1.0)] + [None] * (len(c.outputs) - 1), family=Family.MOVEMENT)
     n = a["indices"].numel() + 2
 
     def make():
@@ -364,27 +368,27 @@ def embedding_bag_budget(c: BudgetCall) -> Budget:
         mag = c.call_with(weight=a["weight"].abs(), per_sample_weights=None if psw is None else psw.abs())[0]
         return [add_into(c.final(r), mag, alpha=gamma(n, c.u))] + [None] * (len(c.outputs) - 1)
 
-    return c.budget("reduction", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("_embedding_bag_per_sample_weights_backward"))
+@register_budget(*overloads("_embedding_bag_per_sample_weights_backward"), family=Family.REDUCTION)
 def embedding_bag_psw_backward_budget(c: BudgetCall) -> Budget:
     """One dot product of length D per index: gamma_D(ua) * (the op on magnitudes)."""
     a, r = c.a, c.out()
     D = a["weight"].shape[-1]
-    return c.budget("reduction", lambda: [add_into(c.final(r), c.call_with(grad=a["grad"].abs(),
+    return c.budget(lambda: [add_into(c.final(r), c.call_with(grad=a["grad"].abs(),
                                                                             weight=a["weight"].abs()),
                                                     alpha=gamma(D + 2, c.ua) + 2 * c.u)])
 
 
-@register_budget(*overloads("_embedding_bag_backward", "_embedding_bag_dense_backward"))
+@register_budget(*overloads("_embedding_bag_backward", "_embedding_bag_dense_backward"), family=Family.REDUCTION)
 def embedding_bag_backward_budget(c: BudgetCall) -> Budget:
     return _linear_sum(c, ["grad", "per_sample_weights"], c.a["indices"].numel() + 2)
 
 
 # --- interpolation: short weighted sums whose weights come from rounded source coordinates ---
 @register_budget(*overloads("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d",
-                            "_upsample_bilinear2d_aa"))
+                            "_upsample_bilinear2d_aa"), family=Family.ELEMENTWISE)
 def upsample_linear_budget(c: BudgetCall) -> Budget:
     """Interpolation weights are >= 0 and sum to 1, but each is computed from a source coordinate rounded
     relative to its size (u * in_size absolute): gamma(2^d + 2) * op(|x|) + 4 u * sum(in sizes) * max|x|."""
@@ -397,10 +401,10 @@ def upsample_linear_budget(c: BudgetCall) -> Budget:
         coord = 4 * c.u * sum(x.shape[2:]) * x.abs().amax(tuple(range(2, x.dim())), keepdim=True)
         return [add_into(c.final(r) + coord, mag, alpha=gamma(2 ** d + 2, c.u))]
 
-    return c.budget("elementwise", make)
+    return c.budget(make)
 
 
-@register_budget(*overloads("upsample_bicubic2d", "_upsample_bicubic2d_aa"))
+@register_budget(*overloads("upsample_bicubic2d", "_upsample_bicubic2d_aa"), family=Family.ELEMENTWISE)
 def upsample_bicubic_budget(c: BudgetCall) -> Budget:
     """16 taps whose cubic weights (some negative, sum of |w| <= 1.5 per dim) come from source coordinates
     rounded relative to the input size: (gamma_20(u) * 2.25 + 16 u * sum(in sizes)) * max|x| per plane."""
@@ -411,12 +415,13 @@ def upsample_bicubic_budget(c: BudgetCall) -> Budget:
         amax = x.abs().amax((-2, -1), keepdim=True) if x.dim() >= 2 else x.abs()
         return [c.ulp_bound(r, 2.0) + (2.25 * gamma(20, c.u) + 16 * c.u * sum(x.shape[-2:])) * amax]
 
-    return c.budget("elementwise", make)
+    return c.budget(make)
 
 
 @register_budget(*overloads("upsample_linear1d_backward", "upsample_bilinear2d_backward",
                             "upsample_trilinear3d_backward", "_upsample_bilinear2d_aa_backward",
-                            "upsample_bicubic2d_backward", "_upsample_bicubic2d_aa_backward"))
+                            "upsample_bicubic2d_backward", "_upsample_bicubic2d_aa_backward"),
+                 family=Family.ELEMENTWISE)
 def upsample_backward_budget(c: BudgetCall) -> Budget:
     """Each input gathers at most ``count`` weighted output gradients (count per dim: outputs per input,
     times taps for the antialiased filters); weights <= 1 (cubic: |w| sums to <= 1.5 per dim), each off by
@@ -435,4 +440,4 @@ def upsample_backward_budget(c: BudgetCall) -> Budget:
         k = (gamma(count * 2 ** d + 2, c.u) + 8 * c.u * sum(ins)) * cw * count
         return [add_into(c.final(r), gmax.expand(r.shape[:2] + (1,) * d), alpha=k).expand(r.shape)]
 
-    return c.budget("elementwise", make)
+    return c.budget(make)

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from ..opsets import Family
 from .core import Budget, BudgetCall, budget_for, overloads, register_budget
 from .linalg import GELU_LIPSCHITZ
 
@@ -34,7 +35,7 @@ aten = torch.ops.aten
 _Stage = tuple[torch.Tensor, torch.Tensor | None]  # a stage's float64 value and the bound of its error (None: 0)
 
 
-@register_budget(*overloads("_transformer_encoder_layer_fwd"))
+@register_budget(*overloads("_transformer_encoder_layer_fwd"), family=Family.COMPOSED)
 def encoder_layer_budget(c: BudgetCall) -> Budget:
     """The layer's output, dense ([B, L, E]) or nested (its values), bounded stage by stage."""
     src = c.a["src"]
@@ -49,7 +50,7 @@ def encoder_layer_budget(c: BudgetCall) -> Budget:
         _, bound = _layer(c, src, _masked_keys(c, src))
         return [bound]
 
-    return c.budget("composed", make)
+    return c.budget(make)
 
 
 def _masked_keys(c: BudgetCall, x: torch.Tensor) -> torch.Tensor | None:

@@ -4,6 +4,7 @@
     shadow show REPORT                      the tables, their legend and the verdict
     shadow html REPORT -o FILE              the report as one self-contained HTML page
     shadow compare A B                      which ops and modules got worse in B than in A
+    shadow explain OP                       what shadow knows about an op: every table's answer
     shadow demo | doctor                    a small model's step; the device backends
     shadow --version
 
@@ -17,9 +18,9 @@ Exit status:
          Ctrl-C (SIGINT), 143 on SIGTERM (a timeout, a job scheduler, CI), 129 on SIGHUP; the partial report written
 
 The CLI is the one place that prints; library code returns objects and leaves rendering to its caller.
-Each command is a module of this package (``run``, ``show``, ``html``, ``compare``, ``demo``, ``doctor``) whose
-``execute`` registers itself with ``@command`` (``shadow.cli.registry``); ``main`` imports every module of the
-package and builds the parser from what registered: adding a command is adding a module.
+Each command is a module of this package (``run``, ``show``, ``html``, ``compare``, ``explain``, ``demo``,
+``doctor``) whose ``execute`` registers itself with ``@command`` (``shadow.cli.registry``); ``main`` imports every
+module of the package and builds the parser from what registered: adding a command is adding a module.
 
 >>> main(["run", "examples/train.py", "--steps", "1"])   # doctest: +SKIP
 """
@@ -39,9 +40,10 @@ import torch
 from .. import __version__
 from .registry import COMMANDS, Command, Failure, fail
 
-# --help lists these first, in this order (try it, run a script, read, compare, check the setup, publish), then any
+# --help lists these first, in this order (try it, run a script, read, compare, check the setup, publish, look an op
+# up), then any
 # other command by name
-LISTED_FIRST = ("demo", "run", "show", "compare", "doctor", "html")
+LISTED_FIRST = ("demo", "run", "show", "compare", "doctor", "html", "explain")
 
 
 def _commands() -> list[Command]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..budgets import Budget, budget_for
+from ..opsets import Family
 from .trace import Node, Traced, Values, remap
 from .propagate import Flow, propagate, within
 
@@ -36,7 +37,7 @@ from .propagate import Flow, propagate, within
 # at most 2 exp(-lambda**2 / 2); DELTA = 1e-9 per element (docs/compiled.md)
 DELTA = 1e-9
 HOEFFDING = math.sqrt(2.0 * math.log(2.0 / DELTA))
-_MOVES = frozenset({"movement", "empty"})  # budget families of ops that move values, rounding only in a cast
+_MOVES = frozenset({Family.MOVEMENT, Family.EMPTY})  # budget families of ops that move values, rounding only in a cast
 
 
 class GraphBudget:
@@ -57,7 +58,7 @@ class GraphBudget:
             self.graph.reference = None  # every node's value of the replay: read, let go
             return bounds
 
-        return Budget("graph", make, outputs=references, dtype=dtype, scale_sq=lambda: (scale[0], 0.0))
+        return Budget(Family.GRAPH, make, outputs=references, dtype=dtype, scale_sq=lambda: (scale[0], 0.0))
 
 
 def compose(traced: Traced, values: Values, references: list) -> tuple[list, float]:

@@ -31,14 +31,13 @@ from ..modes.shadow import ShadowMode
 from ..records import Phase, Record
 from .onepass import Emulated
 from .lowering import Plan, choose
-from .precisions import ORDER, PRECISIONS, Precision
+from .precisions import PRECISIONS, Precision
 from .upcasts import Upcasts
 from .ranges import Ranges
 
 BY = ("module", "op")
 OUTSIDE = "(outside any module)"  # how tables name the part "": the calls outside any module (the loss, often)
 _no_dispatch = torch._C._DisableTorchDispatch
-
 
 
 
@@ -144,7 +143,8 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
                                 "submodules') goes with by='module'")
     unknown = [p for p in precisions if p not in PRECISIONS] if isinstance(precisions, (tuple, list)) else [precisions]
     if unknown or not precisions:
-        raise ShadowOptionError(f"audit(precisions={precisions!r}): expected a tuple of {', '.join(map(repr, ORDER))}")
+        raise ShadowOptionError(f"audit(precisions={precisions!r}): expected a tuple of "
+                                f"{', '.join(map(repr, PRECISIONS))}")
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ShadowOptionError(f"audit(verify={verify!r}): expected an int >= 0 (parts re-run per precision)")
     if not callable(step):

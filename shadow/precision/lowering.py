@@ -32,7 +32,7 @@ from ..attribution.tracking import Tracker
 from ..errors import ShadowOptionError
 from ..modes.emulate import computes, require_outside_shadow
 from ..plan import plan_of
-from .precisions import ORDER, PRECISIONS
+from .precisions import PRECISIONS
 from .upcasts import Upcasts
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def choose(report: AuditReport, tolerance: float) -> Plan:
     total = 0.0
     tree = report.by == "module" and not report.own
     children = _children({r.key for r in report.rows if r.key}) if tree else {}
-    for precision in (p for p in ORDER if p in report.precisions):
+    for precision in (p for p in PRECISIONS if p in report.precisions):  # cheapest first
         # "" (calls outside any module: the loss, the optimizer) is never moved
         rows = {r.key: r for r in report.rows if r.precision == precision and r.key}
         cost = _costs(rows, children) if tree else {k: r.sensitivity for k, r in rows.items()}

@@ -1,13 +1,14 @@
-"""The candidate precisions an audit tries (``PRECISIONS``) and the order the plan tries them in (``ORDER``)."""
+"""The candidate precisions an audit tries (``PRECISIONS``), cheapest first: the order the plan tries them in."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
-from ..modes.emulate import FP8Mode, TF32Mode
-from ..modes.emulate.formats import BF16, E4M3, FP16, TF32, Format
+from ..modes.emulate import EMULATIONS, Emulation
+from ..modes.emulate.formats import Format
 from .held import Held
 from .upcasts import Upcasts
 
@@ -25,11 +26,39 @@ class Precision:
     bits: int
 
 
-PRECISIONS: dict[str, Precision] = {  # mode(upcasts): the emulated device of a run whose upcasts are watched
-    "fp8": Precision("fp8", lambda upcasts: FP8Mode(), E4M3, True, 3),
-    "bf16": Precision("bf16", functools.partial(Held, BF16), BF16, False, 7),
-    "fp16": Precision("fp16", functools.partial(Held, FP16), FP16, False, 10),
-    "tf32": Precision("tf32", lambda upcasts: TF32Mode(), TF32, False, 10),
-}
-# the plan tries cheaper precisions first: fewer mantissa bits, then the narrower range (fp16 before tf32)
-ORDER = ("fp8", "bf16", "fp16", "tf32")
+def _device(mode: type[Emulation], upcasts: Upcasts) -> Emulation:
+    return mode()
+
+
+class Precisions(Mapping[str, Precision]):
+    """The candidate precisions by name: every emulated device registered with an ``AuditFormat``
+    (``shadow.modes.emulate.register(..., audit=...)``), read from that registry at each use. Iterated cheapest
+    first, the order the plan tries them in: fewer mantissa bits, then the narrower range (fp16 before tf32).
+
+    >>> list(PRECISIONS)
+    ['fp8', 'bf16', 'fp16', 'tf32']
+    """
+
+    def _all(self) -> dict[str, Precision]:
+        found = []
+        for name, mode in EMULATIONS.items():
+            a = mode.audit
+            if a is not None:  # mode(upcasts): the emulated device of a run whose upcasts are watched
+                run = functools.partial(Held, a.format) if a.held else functools.partial(_device, mode)
+                found.append(Precision(name, run, a.format, a.scaled, a.bits))
+        return {p.name: p for p in sorted(found, key=lambda p: (p.bits, p.format.emax))}
+
+    def __getitem__(self, name: str) -> Precision:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return f"PRECISIONS({', '.join(self)})"
+
+
+PRECISIONS = Precisions()

@@ -156,11 +156,11 @@ class _Entry:
 
 
 def _returns_tensors(func: OpOverload) -> bool:
-    """Which overloads a family rule covers: those that return tensors (``aten.add.t`` adds lists)."""
+    """Which overloads a packet's rule covers: those that return tensors (``aten.add.t`` adds lists)."""
     return any(isinstance(r.type, torch.TensorType) for r in func._schema.returns)
 
 
-REFERENCES: RuleTable[Any] = RuleTable("reference", families=_returns_tensors)
+REFERENCES: RuleTable[Any] = RuleTable("reference", packets=_returns_tensors)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,30 +211,32 @@ class Reference:
 
 def register_reference(
     *ops: OpOverload | OpOverloadPacket,
+    family: str | None = None,
     outputs: int = 1,
     terms: Terms = ratio_terms,
     per_term: str | Callable[[Call], str] = "exact",
     rounds_once: bool = False,
 ) -> Callable[[Rule], Rule]:
-    """Register a rule for exact overloads (``aten.mm.default``) or whole families (``aten.exp``), with
-    the cost of one element (``Cost(terms, per_term)``). ``rounds_once``: every overload covered rounds each
-    element of its float64 result once from its inputs, whatever their values (``Reference.rounds_once``).
+    """Register a rule for exact overloads (``aten.mm.default``) or whole packets (``aten.exp``), with
+    its family (``shadow.opsets.Family``) and the cost of one element (``Cost(terms, per_term)``).
+    ``rounds_once``: every overload covered rounds each element of its float64 result once from its inputs,
+    whatever their values (``Reference.rounds_once``).
 
-    A family covers every overload of the packet that returns tensors and has no exact rule; rules
+    A packet's rule covers every overload of the packet that returns tensors and has no exact rule; rules
     read arguments by schema name, so one rule serves ``exp.default``, ``exp.out`` alike. Registering
     an op twice is a ``DuplicateRuleError`` (a ``ValueError``).
     """
     cost = Cost(terms, per_term)
 
     def deco(rule: Rule) -> Rule:
-        REFERENCES.register(*ops)(_Entry(rule, outputs, cost, rounds_once))
+        REFERENCES.register(*ops, family=family)(_Entry(rule, outputs, cost, rounds_once))
         return rule
 
     return deco
 
 
 def reference_for(func: Any) -> Reference | None:
-    """The op's reference: exact overload, then family, then None (not spot-checkable).
+    """The op's reference: exact overload, then packet, then None (not spot-checkable).
 
     >>> aten = torch.ops.aten
     >>> reference_for(aten.mm.default) is not None, reference_for(aten.index_add.default)

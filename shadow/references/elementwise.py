@@ -15,6 +15,7 @@ from typing import Callable
 import mpmath
 import torch
 
+from ..opsets import SELECTION, Family
 from ._table import INF, NAN, Call, register_reference
 from .exact import Exact
 
@@ -71,10 +72,11 @@ _UNARY: dict[tuple[torch._ops.OpOverloadPacket, ...], Callable[[mpmath.mpf, floa
 # float64 computes these exactly (abs, neg, relu) or with one IEEE 754 rounding (sqrt, 1 / x) per element
 _ROUND_ONCE = {aten.abs, aten.neg, aten.relu, aten.sqrt, aten.reciprocal}
 for _ops, _fn in _UNARY.items():
-    register_reference(*_ops, rounds_once=_ops[0] in _ROUND_ONCE)(functools.partial(_unary, _fn))
+    register_reference(*_ops, family=Family.MOVEMENT if _ops[0].__name__ in SELECTION else Family.ELEMENTWISE,
+                       rounds_once=_ops[0] in _ROUND_ONCE)(functools.partial(_unary, _fn))
 
 
-@register_reference(aten.gelu, aten.gelu_)
+@register_reference(aten.gelu, aten.gelu_, family=Family.ELEMENTWISE)
 def gelu_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """x/2 (1 + erf(x/sqrt 2)), or with approximate='tanh' x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     x = mpf(call.scalar("self", index))
@@ -90,7 +92,7 @@ def gelu_rule(call: Call, index: tuple[int, ...]) -> Exact:
     raise call.fail(f"approximate={approximate!r}: expected 'none' or 'tanh'")
 
 
-@register_reference(aten.softplus)
+@register_reference(aten.softplus, family=Family.ELEMENTWISE)
 def softplus_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (part of the op's definition)."""
     xf = call.scalar("self", index)
@@ -115,17 +117,17 @@ def _add_rule(sign: int, reverse: bool, call: Call, index: tuple[int, ...]) -> E
     return Exact(a + t, abs(a) + abs(t))
 
 
-register_reference(aten.add, aten.add_)(functools.partial(_add_rule, 1, False))
-register_reference(aten.sub, aten.sub_)(functools.partial(_add_rule, -1, False))
-register_reference(aten.rsub)(functools.partial(_add_rule, -1, True))
+register_reference(aten.add, aten.add_, family=Family.ELEMENTWISE)(functools.partial(_add_rule, 1, False))
+register_reference(aten.sub, aten.sub_, family=Family.ELEMENTWISE)(functools.partial(_add_rule, -1, False))
+register_reference(aten.rsub, family=Family.ELEMENTWISE)(functools.partial(_add_rule, -1, True))
 
 
-@register_reference(aten.mul, aten.mul_, rounds_once=True)
+@register_reference(aten.mul, aten.mul_, family=Family.ELEMENTWISE, rounds_once=True)
 def mul_rule(call: Call, index: tuple[int, ...]) -> Exact:
     return Exact.plain(mpf(call.scalar("self", index)) * mpf(call.scalar("other", index)))
 
 
-@register_reference(aten.div, aten.div_)
+@register_reference(aten.div, aten.div_, family=Family.ELEMENTWISE)
 def div_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """self / other, rounded toward zero or down with rounding_mode='trunc' / 'floor' (exactly)."""
     af, bf = call.scalar("self", index), call.scalar("other", index)
@@ -142,7 +144,7 @@ def div_rule(call: Call, index: tuple[int, ...]) -> Exact:
     return Exact.plain(mpf(math.trunc(q) if mode == "trunc" else math.floor(q)))
 
 
-@register_reference(aten.pow, aten.pow_)
+@register_reference(aten.pow, aten.pow_, family=Family.ELEMENTWISE)
 def pow_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """self ** exponent with IEEE pow's real-valued special cases (0 ** -y = inf, (-x) ** 0.5 = nan)."""
     xf, yf = call.scalar("self", index), call.scalar("exponent", index)

@@ -14,7 +14,7 @@ from typing import Callable
 import mpmath
 import torch
 
-from ..opsets import CONVOLUTIONS, MATMULS, Matmul
+from ..opsets import CONVOLUTIONS, MATMULS, Family, Matmul
 from ._table import Call, bcast, register_reference
 from .exact import Exact, exact_dot
 
@@ -88,7 +88,8 @@ def _register_matmul(name: str, rule: Callable[[Matmul, Call, tuple[int, ...]], 
     """``rule`` with the operand names of ``name``, for the op and its in-place twin (addmm_)."""
     m = MATMULS[name]
     ops = [getattr(aten, op) for op in (name, f"{name}_") if hasattr(aten, op)]
-    register_reference(*ops, terms=functools.partial(_inner_terms, m.a))(functools.partial(rule, m))
+    register_reference(*ops, family=Family.MATMUL, terms=functools.partial(_inner_terms, m.a))(
+        functools.partial(rule, m))
 
 
 for _name in ("mm", "bmm", "addmm", "baddbmm", "mv", "addmv"):
@@ -173,6 +174,6 @@ def _conv_terms(m: Matmul, call: Call, out_numel: int) -> int:
 
 for _name in ("convolution", "_convolution"):
     _m = CONVOLUTIONS[_name]
-    register_reference(getattr(aten, _name), terms=functools.partial(_conv_terms, _m))(
+    register_reference(getattr(aten, _name), family=Family.CONV, terms=functools.partial(_conv_terms, _m))(
         functools.partial(convolution_rule, _m)
     )

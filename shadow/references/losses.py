@@ -11,6 +11,7 @@ import math
 import mpmath
 import torch
 
+from ..opsets import Family
 from ._table import NAN, Call, finite, register_reference
 from .exact import Exact, exact_add, exact_dot, exact_mul, exact_sum
 
@@ -27,7 +28,7 @@ def _reduction(call: Call) -> str:
     return _REDUCTIONS[r]
 
 
-@register_reference(aten.mse_loss)
+@register_reference(aten.mse_loss, family=Family.LOSS)
 def mse_loss_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """(x - y)^2 per element, or its sum / mean: sum x^2 - 2 sum xy + sum y^2, each exact."""
     x, y = call.tensor("self"), call.tensor("target")
@@ -48,7 +49,7 @@ def mse_loss_rule(call: Call, index: tuple[int, ...]) -> Exact:
     return Exact(total / n, mag / n) if n else Exact.plain(NAN)
 
 
-@register_reference(aten.nll_loss_forward, aten.nll_loss2d_forward, outputs=2)
+@register_reference(aten.nll_loss_forward, aten.nll_loss2d_forward, family=Family.LOSS, outputs=2)
 def nll_loss_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """Outputs: -weight[t] * x[.., t, ..] per sample (or their sum, or their weighted mean), total_weight.
 

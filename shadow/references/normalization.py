@@ -12,6 +12,7 @@ import math
 import mpmath
 import torch
 
+from ..opsets import Family
 from ._table import Call, finite, register_reference
 from .exact import Exact, exact_add, exact_moments, exact_mul
 
@@ -51,7 +52,7 @@ def _layer_norm_terms(call: Call, out_numel: int) -> int:
     return 2 * math.prod(call.arg("normalized_shape") or [1])  # a sum and a sum of squares per row
 
 
-@register_reference(aten.native_layer_norm, outputs=3, terms=_layer_norm_terms)
+@register_reference(aten.native_layer_norm, family=Family.NORM, outputs=3, terms=_layer_norm_terms)
 def layer_norm_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """Outputs: (x - mean) * rstd * weight + bias, mean, rstd = 1/sqrt(var + eps) over the normalized dims."""
     x = call.tensor("input")
@@ -89,8 +90,8 @@ def _batch_norm_terms(call: Call, out_numel: int) -> int:
 
 
 @register_reference(
-    aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training, outputs=3,
-    terms=_batch_norm_terms,
+    aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
+    family=Family.NORM, outputs=3, terms=_batch_norm_terms,
 )
 def batch_norm_rule(call: Call, index: tuple[int, ...]) -> Exact:
     """Outputs: (x - mean[c]) * invstd[c] * weight[c] + bias[c], save_mean[c], save_invstd[c].

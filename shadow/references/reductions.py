@@ -14,6 +14,7 @@ from typing import Any
 import mpmath
 import torch
 
+from ..opsets import Family
 from ._table import INF, NAN, Call, finite, register_reference
 from .exact import Exact, exact_dot, exact_moments, exact_sum
 
@@ -79,12 +80,12 @@ def _along_dim_terms(call: Call, out_numel: int) -> int:
 
 
 # --- sums, means, variances ---
-@register_reference(aten.sum)
+@register_reference(aten.sum, family=Family.REDUCTION)
 def sum_rule(call: Call, index: tuple[int, ...]) -> Exact:
     return exact_sum(_reduction_input(call, index))
 
 
-@register_reference(aten.mean)
+@register_reference(aten.mean, family=Family.REDUCTION)
 def mean_rule(call: Call, index: tuple[int, ...]) -> Exact:
     x = _reduction_input(call, index)
     if x.numel() == 0:
@@ -121,10 +122,10 @@ def _var_rule(root: bool, call: Call, index: tuple[int, ...]) -> Exact:
     return Exact(mpmath.sqrt(var.value), mpmath.sqrt(var.magnitude)) if root else var
 
 
-register_reference(aten.var)(functools.partial(_var_rule, False))
-register_reference(aten.std)(functools.partial(_var_rule, True))
-register_reference(aten.var_mean, outputs=2)(functools.partial(_var_rule, False))
-register_reference(aten.std_mean, outputs=2)(functools.partial(_var_rule, True))
+register_reference(aten.var, family=Family.REDUCTION)(functools.partial(_var_rule, False))
+register_reference(aten.std, family=Family.REDUCTION)(functools.partial(_var_rule, True))
+register_reference(aten.var_mean, family=Family.REDUCTION, outputs=2)(functools.partial(_var_rule, False))
+register_reference(aten.std_mean, family=Family.REDUCTION, outputs=2)(functools.partial(_var_rule, True))
 
 
 # --- vector norms ---
@@ -169,10 +170,11 @@ def _norm_per_term(ord_name: str, call: Call) -> str:
 
 
 for _packet, _ord in ((aten.linalg_vector_norm, "ord"), (aten.norm, "p")):
-    register_reference(_packet, per_term=functools.partial(_norm_per_term, _ord))(functools.partial(_norm_rule, _ord))
+    register_reference(_packet, family=Family.REDUCTION, per_term=functools.partial(_norm_per_term, _ord))(
+        functools.partial(_norm_rule, _ord))
 
 
-@register_reference(aten.cumsum, aten.cumsum_, terms=_along_dim_terms)
+@register_reference(aten.cumsum, aten.cumsum_, family=Family.REDUCTION, terms=_along_dim_terms)
 def cumsum_rule(call: Call, index: tuple[int, ...]) -> Exact:
     line, _ = _along(call, call.tensor("self"), call.arg("dim"), index, stop=True)
     return exact_sum(line)
@@ -207,12 +209,12 @@ def _softmax_rule(log: bool, call: Call, index: tuple[int, ...]) -> Exact:
     return Exact.plain(mpmath.exp(d - lse))
 
 
-_softmax = functools.partial(register_reference, terms=_along_dim_terms, per_term="mpmath")
+_softmax = functools.partial(register_reference, family=Family.REDUCTION, terms=_along_dim_terms, per_term="mpmath")
 _softmax(aten._softmax, aten.softmax)(functools.partial(_softmax_rule, False))
 _softmax(aten._log_softmax, aten.log_softmax)(functools.partial(_softmax_rule, True))
 
 
-@register_reference(aten.logsumexp, per_term="mpmath")
+@register_reference(aten.logsumexp, family=Family.REDUCTION, per_term="mpmath")
 def logsumexp_rule(call: Call, index: tuple[int, ...]) -> Exact:
     parts = _lse_parts(_reduction_input(call, index))
     if parts is None:

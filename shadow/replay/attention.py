@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..opsets import Family
 from ..records import Kind
 from .table import Replay, register_rule
 
@@ -108,7 +109,8 @@ def _draws_random(r: Replay) -> bool:
 
 
 @register_rule(*_ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable"))
+                     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable"),
+               family=Family.ATTENTION)
 def sdpa_forward_rule(r: Replay) -> Any:
     """Output and logsumexp from the formula; every other output adopted from the device."""
     if _draws_random(r):
@@ -118,7 +120,7 @@ def sdpa_forward_rule(r: Replay) -> Any:
     return Kind.REPLAYED, (a.out, _device_like(dev[1], a.lse)) + tuple(_adopt(x, a.out) for x in dev[2:])
 
 
-@register_rule(*_ops("_scaled_dot_product_attention_math_for_mps"))
+@register_rule(*_ops("_scaled_dot_product_attention_math_for_mps"), family=Family.ATTENTION)
 def sdpa_math_rule(r: Replay) -> Any:
     """(output, attention weights P) from the formula."""
     if _draws_random(r):
@@ -130,7 +132,7 @@ def sdpa_math_rule(r: Replay) -> Any:
 @register_rule(*_ops("_scaled_dot_product_flash_attention_backward",
                      "_scaled_dot_product_efficient_attention_backward",
                      "_scaled_dot_product_cudnn_attention_backward",
-                     "_scaled_dot_product_fused_attention_overrideable_backward"))
+                     "_scaled_dot_product_fused_attention_overrideable_backward"), family=Family.ATTENTION)
 def sdpa_backward_rule(r: Replay) -> Any:
     """Backward by hand: P = softmax(S), dV = P^T dO, dS = P * (dP - rowsum(dO * O)), dQ = dS K s, dK = dS^T Q s."""
     if _draws_random(r):

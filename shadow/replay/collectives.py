@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import Unsupported
+from ..opsets import Family
+from ..plan import OpPlan
 from ..records import Kind
 from .table import Deferred, Replay, register_predicate, register_rule
 
@@ -167,14 +169,14 @@ def _scatter(values: list[torch.Tensor], parts: list[torch.Tensor]) -> None:
         p.copy_(v)
 
 
-@register_rule(c10d.allreduce_.default)
+@register_rule(c10d.allreduce_.default, family=Family.COLLECTIVE)
 def allreduce_rule(r: Replay) -> tuple[Kind, Deferred]:
     """Shadow and device inputs reduced in one float64 all-reduce on the side group."""
     shadows, local_args, local, meta = _all_reduced(r)
     return Kind.REPLAYED, Deferred((shadows, None), local_args, (local, None), meta)
 
 
-@register_rule(c10d.allreduce_coalesced_.default)
+@register_rule(c10d.allreduce_coalesced_.default, family=Family.COLLECTIVE)
 def allreduce_coalesced_rule(r: Replay) -> tuple[Kind, Deferred]:
     """dist.all_reduce_coalesced and the coalescing manager's all-reduces: as allreduce_; the op returns only
     its Work, the reduced ``tensors`` are its (undeclared) written argument."""
@@ -182,7 +184,7 @@ def allreduce_coalesced_rule(r: Replay) -> tuple[Kind, Deferred]:
     return Kind.REPLAYED, Deferred(None, local_args, None, meta)
 
 
-@register_rule(c10d.broadcast_.default)
+@register_rule(c10d.broadcast_.default, family=Family.COLLECTIVE)
 def broadcast_rule(r: Replay) -> tuple[Kind, Deferred]:
     """The root's shadow and device inputs, broadcast together on the side group."""
     import torch.distributed as dist
@@ -199,7 +201,7 @@ def broadcast_rule(r: Replay) -> tuple[Kind, Deferred]:
     return Kind.REPLAYED, Deferred((shadows, None), (largs, lkwargs), (local, None), _meta(side))
 
 
-@register_rule(c10d._allgather_base_.default)
+@register_rule(c10d._allgather_base_.default, family=Family.COLLECTIVE)
 def allgather_base_rule(r: Replay) -> tuple[Kind, Deferred]:
     """all_gather_into_tensor: every rank's (shadow, device) input pair gathered on the side group."""
     side = side_group(r.arg("process_group"))
@@ -210,7 +212,7 @@ def allgather_base_rule(r: Replay) -> tuple[Kind, Deferred]:
     return Kind.REPLAYED, Deferred((out, None), (largs, lkwargs), (lout, None), _meta(side))
 
 
-@register_rule(c10d.allgather_into_tensor_coalesced_.default)
+@register_rule(c10d.allgather_into_tensor_coalesced_.default, family=Family.COLLECTIVE)
 def allgather_into_tensor_coalesced_rule(r: Replay) -> tuple[Kind, Deferred]:
     """The coalescing manager's all_gather_into_tensor calls: every rank's shadow and device inputs gathered
     in one all_gather on the side group; ``outputs`` is the op's (undeclared) written argument."""
@@ -222,7 +224,7 @@ def allgather_into_tensor_coalesced_rule(r: Replay) -> tuple[Kind, Deferred]:
     return Kind.REPLAYED, Deferred(None, (largs, lkwargs), None, _meta(side))
 
 
-@register_rule(c10d.allgather_.default)
+@register_rule(c10d.allgather_.default, family=Family.COLLECTIVE)
 def allgather_rule(r: Replay) -> tuple[Kind, Deferred]:
     """dist.all_gather (list output; FSDP1 on gloo): ``output_tensors[i][j]`` is rank j's ``input_tensors[i]``;
     every rank's shadow and device inputs gathered in one all_gather on the side group."""
@@ -240,7 +242,7 @@ def allgather_rule(r: Replay) -> tuple[Kind, Deferred]:
     return Kind.REPLAYED, Deferred((outs, None), (largs, lkwargs), (louts, None), _meta(side))
 
 
-@register_rule(c10d._reduce_scatter_base_.default)
+@register_rule(c10d._reduce_scatter_base_.default, family=Family.COLLECTIVE)
 def reduce_scatter_base_rule(r: Replay) -> tuple[Kind, Deferred]:
     """reduce_scatter_tensor: an all-reduce of both inputs on the side group, each rank keeping its chunk (the
     same float64 sums; gloo has no reduce-scatter on every torch version)."""
@@ -254,7 +256,7 @@ def reduce_scatter_base_rule(r: Replay) -> tuple[Kind, Deferred]:
     return Kind.REPLAYED, Deferred((out, None), (largs, lkwargs), (lout, None), _meta(side))
 
 
-@register_rule(c10d.reduce_scatter_tensor_coalesced_.default)
+@register_rule(c10d.reduce_scatter_tensor_coalesced_.default, family=Family.COLLECTIVE)
 def reduce_scatter_tensor_coalesced_rule(r: Replay) -> tuple[Kind, Deferred]:
     """The coalescing manager's reduce_scatter_tensor calls: every input reduced in one all-reduce on the side
     group, each rank keeping its chunk; ``outputs`` is the op's (undeclared) written argument."""
@@ -268,7 +270,7 @@ def reduce_scatter_tensor_coalesced_rule(r: Replay) -> tuple[Kind, Deferred]:
     return Kind.REPLAYED, Deferred(None, (largs, lkwargs), None, _meta(side))
 
 
-@register_rule(c10d.reduce_scatter_.default)
+@register_rule(c10d.reduce_scatter_.default, family=Family.COLLECTIVE)
 def reduce_scatter_rule(r: Replay) -> tuple[Kind, Deferred]:
     """dist.reduce_scatter (list input; gloo has it from torch 2.5 on): ``output_tensors[i]`` is the reduction
     over the ranks of their ``input_tensors[i][me]``: every input reduced in one all-reduce on the side group."""
@@ -291,7 +293,11 @@ _REPLAYED = {c10d.allreduce_.default, c10d.allreduce_coalesced_.default, c10d.br
              c10d.reduce_scatter_tensor_coalesced_.default}
 
 
-@register_predicate(lambda p: p.func.namespace == "c10d" and p.func not in _REPLAYED)
+def other_collectives(plan: OpPlan) -> bool:
+    return plan.func.namespace == "c10d" and plan.func not in _REPLAYED
+
+
+@register_predicate(other_collectives, family=Family.COLLECTIVE)
 def other_collective_rule(r: Replay) -> Any:
     """Any other c10d op is never run on the user's group by shadow: its device results are adopted."""
     raise Unsupported(r.plan.name, "collective not replayed by shadow (replayed: all-reduce, broadcast, "

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..opsets import Family
 from ..plan import OpPlan, flat_returns
 from ..rules import RuleTable
 
@@ -56,7 +57,7 @@ def _lengths(v: Any) -> torch.Tensor:
     return torch.as_tensor(v).to(device="cpu", dtype=torch.int64).reshape(-1)
 
 
-@register_defined(aten._ctc_loss.default, aten._ctc_loss.Tensor)
+@register_defined(aten._ctc_loss.default, aten._ctc_loss.Tensor, family=Family.LOSS)
 def ctc_loss_defined(plan: OpPlan, args: Any, kwargs: Any, outputs: list) -> Any:
     """(neg_log_likelihood, log_alpha [batch, T, 2 * max_target_length + 1]). The CPU kernel fills row t = 0
     with -inf, then writes sequence b's alphas for t < input_lengths[b] and s < 2 * target_lengths[b] + 1

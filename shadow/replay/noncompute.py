@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..opsets import Family
+from ..plan import OpPlan
 from ..records import Kind
 from .table import Replay, register_predicate, register_rule
 
@@ -14,7 +16,11 @@ aten = torch.ops.aten
 
 
 # --- views and metadata-only ops: nothing to recompute ---
-@register_predicate(lambda p: p.is_view or torch.Tag.inplace_view in p.tags)
+def views_and_metadata(plan: OpPlan) -> bool:
+    return plan.is_view or torch.Tag.inplace_view in plan.tags
+
+
+@register_predicate(views_and_metadata, family=Family.VIEW)
 def view_rule(r: Replay) -> tuple[Kind, Any]:
     return Kind.VIEW, None
 
@@ -32,7 +38,12 @@ EMPTY_OPS = frozenset(
     )
     if op is not None
 )
-register_rule(*EMPTY_OPS)(lambda r: (Kind.ADOPTED, None))
+
+
+@register_rule(*EMPTY_OPS, family=Family.UNINITIALIZED)
+def uninitialized_rule(r: Replay) -> tuple[Kind, Any]:
+    """Adopted at the first read of the device's bytes."""
+    return Kind.ADOPTED, None
 
 
 # --- randomness: never replayed (it would consume the device's generator) ---
@@ -49,13 +60,18 @@ def _draws_random(r: Replay) -> bool:
     return any(r.arg(n, 0.0) not in (0, 0.0, None) for n in dropout_args)
 
 
-@register_predicate(lambda p: torch.Tag.nondeterministic_seeded in p.tags)
+def seeded(plan: OpPlan) -> bool:
+    """Tagged ``torch.Tag.nondeterministic_seeded`` (SDPA and RNNs too: random only with a dropout > 0)."""
+    return torch.Tag.nondeterministic_seeded in plan.tags
+
+
+@register_predicate(seeded, family=Family.RANDOM)
 def random_rule(r: Replay) -> Any:
     """Adopt the device's random outputs; SDPA and RNNs with dropout 0 fall through to a replay."""
     return (Kind.RANDOM, None) if _draws_random(r) else NotImplemented
 
 
-@register_rule(aten.native_dropout.default)
+@register_rule(aten.native_dropout.default, family=Family.RANDOM)
 def native_dropout_rule(r: Replay) -> tuple[Kind, Any]:
     """Adopt the device's mask; the kept values come from the shadow input, so drift survives."""
     x, p, train = r.args[0], r.args[1], r.arg("train")

@@ -1,5 +1,6 @@
 """The emulation mode and the registry of emulated devices: each device registers its mode class, rule
-table and options by name with ``@register``."""
+table, options and, where ``shadow.audit`` offers it as a precision, its format (``AuditFormat``) by name with
+``@register``: one registration, read by ``emulate()``, the audit's ``PRECISIONS`` and ``shadow.explain``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from ...errors import EmulationOrderError, ShadowOptionError
 from ...plan import OpPlan, plan_of
 from ...rules import RuleTable, run_chain
+from .formats import Format
 
 _no_dispatch = torch._C._DisableTorchDispatch  # an emulation's own work must reach no mode and no kernel twice
 
@@ -28,15 +30,34 @@ class NoOptions:
     """The options of a device that takes none."""
 
 
-def register(name: str, table: RuleTable[Rule], options: type = NoOptions) -> Callable[[type[E]], type[E]]:
+@dataclasses.dataclass(frozen=True)
+class AuditFormat:
+    """A device ``shadow.audit`` offers as a candidate precision under its name: the number format a part runs
+    in (its range risks), whether tensors are scaled into it per tensor (FP8's amax scaling: no overflow), and
+    whether the audit holds a part in the format on the device's own kernels (``shadow.precision.held``: bf16,
+    fp16) rather than running this device's mode."""
+
+    format: Format
+    scaled: bool = False
+    held: bool = False
+
+    @property
+    def bits(self) -> int:
+        """The stored mantissa bits: the plan tries fewer first."""
+        return self.format.precision - 1
+
+
+def register(name: str, table: RuleTable[Rule], options: type = NoOptions, *,
+             audit: AuditFormat | None = None) -> Callable[[type[E]], type[E]]:
     """Class decorator: the Emulation subclass is the device ``name``, computing the ops ``table`` claims.
-    ``options`` is a frozen dataclass: its fields are the device's options, its ``__post_init__`` checks
-    their values."""
+    ``options`` is a frozen dataclass: its fields are the device's options (``init=False`` fields are the mode's
+    own state), its ``__post_init__`` checks their values. ``audit``: the device is also the audit's precision
+    ``name`` (``shadow.precision.PRECISIONS``)."""
 
     def deco(mode: type[E]) -> type[E]:
         if name in EMULATIONS:
             raise ValueError(f"an emulation called {name!r} is already registered ({EMULATIONS[name].__name__})")
-        mode.name, mode.table, mode.Options = name, table, options
+        mode.name, mode.table, mode.Options, mode.audit = name, table, options, audit
         EMULATIONS[name] = mode
         return mode
 
@@ -54,13 +75,14 @@ class Emulation(TorchDispatchMode):
     name: ClassVar[str]  # set on each device's class by @register
     table: ClassVar[RuleTable[Rule]]
     Options: ClassVar[type]
+    audit: ClassVar[AuditFormat | None]
 
     def __init__(self, name: str, **options: Any):
         super().__init__()
         device = EMULATIONS.get(name)
         if device is None:
             raise ShadowOptionError(f"Emulation({name!r}): expected one of {sorted(EMULATIONS)}")
-        fields = [f.name for f in dataclasses.fields(device.Options)]
+        fields = [f.name for f in dataclasses.fields(device.Options) if f.init]
         unknown = set(options) - set(fields)
         if unknown:
             raise TypeError(f"emulation {name!r} takes options {fields or 'none'}, got {sorted(unknown)}")
@@ -102,8 +124,8 @@ def require_outside_shadow(built: str) -> None:
 
 
 def emulate(name: str, **options: Any) -> Emulation:
-    """The emulation mode called ``name`` (a key of ``EMULATIONS``: "tf32", "bf16", "fp16_accum", "ftz"),
-    with its options.
+    """The emulation mode called ``name`` (a key of ``EMULATIONS``: "tf32", "bf16", "fp16", "fp8", "fp16_accum",
+    "ftz"), with its options.
 
     >>> with emulate("tf32", rounding="rne"), ShadowMode() as sm:   # doctest: +SKIP
     ...     y = a @ b

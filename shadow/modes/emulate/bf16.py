@@ -5,14 +5,14 @@ original dtype; data movement and partial writes pass through (``_utils.PASS_THR
 from __future__ import annotations
 
 from ...rules import RuleTable
-from ._mode import Emulation, Rule, register
+from ._mode import AuditFormat, Emulation, Rule, register
 from ._utils import rounding_table
 from .formats import BF16
 
 TABLE: RuleTable[Rule] = rounding_table("bf16", BF16)
 
 
-@register("bf16", TABLE)
+@register("bf16", TABLE, audit=AuditFormat(BF16, held=True))
 class BF16Mode(Emulation):
     """float32 storage, bfloat16 arithmetic: floating inputs and outputs of every op rounded to bfloat16.
 

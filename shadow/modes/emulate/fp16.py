@@ -6,14 +6,14 @@ data movement and partial writes pass through (``_utils.PASS_THROUGH``)."""
 from __future__ import annotations
 
 from ...rules import RuleTable
-from ._mode import Emulation, Rule, register
+from ._mode import AuditFormat, Emulation, Rule, register
 from ._utils import rounding_table
 from .formats import FP16
 
 TABLE: RuleTable[Rule] = rounding_table("fp16", FP16)
 
 
-@register("fp16", TABLE)
+@register("fp16", TABLE, audit=AuditFormat(FP16, held=True))
 class FP16Mode(Emulation):
     """float32 storage, float16 arithmetic: floating inputs and outputs of every op rounded to float16.
 

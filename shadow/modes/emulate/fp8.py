@@ -6,6 +6,7 @@ every other op in higher precision. A gradient is a tensor an op made during aut
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Any
@@ -16,7 +17,7 @@ from ...devices import holds_dtype
 from ...opsets import MATMULS, Matmul
 from ...plan import OpPlan, flat_returns, plan_of
 from ...rules import RuleTable
-from ._mode import Emulation, Rule, register
+from ._mode import AuditFormat, Emulation, Rule, register
 from ._utils import overloads
 from .formats import E4M3, E5M2, Format, round_to
 
@@ -51,19 +52,31 @@ class _Tensors:
         return r is not None and r() is t
 
 
-def _fp8_factors(plan: OpPlan, args: tuple, kwargs: dict, options: Any, roles: Matmul, grads: _Tensors) -> Any:
+@dataclasses.dataclass(frozen=True)
+class FP8State:
+    """An FP8Mode's own state, which its rules read as their options: the tensors made during autograd's backward
+    (gradients, quantized to E5M2). It takes no option."""
+
+    grads: _Tensors = dataclasses.field(default_factory=_Tensors, init=False, repr=False)
+
+
+def _fp8_factors(plan: OpPlan, args: tuple, kwargs: dict, state: FP8State, roles: Matmul) -> Any:
     factors = (roles.a, roles.b)
 
     def operand(t: torch.Tensor, spec) -> torch.Tensor:
         if spec.name not in factors or t.dtype != torch.float32:
             return t
-        return quantize(t, E5M2 if t in grads else E4M3)
+        return quantize(t, E5M2 if t in state.grads else E4M3)
 
     args, kwargs = plan.map_tensors(args, kwargs, operand)
     return plan.func(*args, **kwargs)
 
 
-@register("fp8", TABLE)
+for _name, _roles in _CLAIMED.items():
+    TABLE.register(*overloads(_name))(functools.partial(_fp8_factors, roles=_roles))
+
+
+@register("fp8", TABLE, FP8State, audit=AuditFormat(E4M3, scaled=True))
 class FP8Mode(Emulation):
     """float32 matmuls with FP8 operands (E4M3 activations and weights, E5M2 gradients, per-tensor amax scaling),
     float32 accumulation.
@@ -74,10 +87,6 @@ class FP8Mode(Emulation):
 
     def __init__(self):
         super().__init__(self.name)
-        self._grads = _Tensors()  # tensors made during backward: gradients
-        self.table = RuleTable("fp8 (this mode)")
-        for name, roles in _CLAIMED.items():
-            self.table.register(*overloads(name))(functools.partial(_fp8_factors, roles=roles, grads=self._grads))
 
     def seen(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """A result made during backward is a gradient, except a view of a tensor that is not one (the transpose
@@ -89,6 +98,7 @@ class FP8Mode(Emulation):
         for spec, t in flat_returns(plan, out):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
-            if spec.aliases_read and not any(v in self._grads for v in viewed if isinstance(v, torch.Tensor)):
+            grads = self.options.grads
+            if spec.aliases_read and not any(v in grads for v in viewed if isinstance(v, torch.Tensor)):
                 continue
-            self._grads.add(t)
+            grads.add(t)

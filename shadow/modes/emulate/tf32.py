@@ -14,9 +14,9 @@ import torch
 from ...opsets import CONVOLUTIONS, MATMULS, Matmul
 from ...plan import OpPlan
 from ...rules import RuleTable
-from ._mode import Emulation, Rule, register
+from ._mode import AuditFormat, Emulation, Rule, register
 from ._utils import overloads
-from .formats import Rounding, to_tf32
+from .formats import TF32, Rounding, to_tf32
 
 aten = torch.ops.aten
 
@@ -73,7 +73,7 @@ def _tf32_convolution_backward(plan: OpPlan, args: tuple, kwargs: dict, options:
     return grad_input, grad_weight, grad_bias
 
 
-@register("tf32", TABLE, TF32Options)
+@register("tf32", TABLE, TF32Options, audit=AuditFormat(TF32))
 class TF32Mode(Emulation):
     """float32 matmul and convolution with TF32 operands (10 mantissa bits), float32 accumulation.
 

@@ -1,5 +1,4 @@
-"""Replay rules for fused device kernels that have no float64 CPU kernel and no decomposition (the attention
-kernels are a family of their own: ``attention``).
+"""Replay rules for the recurrent family's fused kernels, which have no float64 CPU kernel and no decomposition.
 
 oneDNN LSTM layers (nn.LSTM on CPU float32/bfloat16) are replayed as the LSTM recurrence, with
 backpropagation through time written out; the fused LSTM and GRU cells of GPUs and PrivateUse1 devices
@@ -12,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..opsets import Family
 from ..records import Kind
 from .table import Replay, register_rule
 
@@ -53,7 +53,7 @@ def _mkldnn_lstm_args(r: Replay):
 
 if hasattr(aten, "mkldnn_rnn_layer"):
 
-    @register_rule(aten.mkldnn_rnn_layer.default)
+    @register_rule(aten.mkldnn_rnn_layer.default, family=Family.RECURRENT)
     def mkldnn_lstm_layer_rule(r: Replay) -> Any:
         """(output, hy, cy, workspace): the LSTM recurrence; the workspace is oneDNN's opaque bytes, kept."""
         a = _mkldnn_lstm_args(r)
@@ -65,7 +65,7 @@ if hasattr(aten, "mkldnn_rnn_layer"):
         return Kind.DECOMPOSED, (out, h.reshape(hx.shape), c.reshape(hx.shape),
                                  None if workspace is None else workspace.to(out.device, copy=True))
 
-    @register_rule(aten.mkldnn_rnn_layer_backward.default)
+    @register_rule(aten.mkldnn_rnn_layer_backward.default, family=Family.RECURRENT)
     def mkldnn_lstm_layer_backward_rule(r: Replay) -> Any:
         """(dx, dw_ih, dw_hh, db_ih, db_hh, dhx, dcx): backpropagation through time of the recomputed forward."""
         a = _mkldnn_lstm_args(r)
@@ -151,14 +151,14 @@ def cell_inputs(r: Replay, parts: int) -> tuple:
     return (ig.chunk(parts, 1), hg.chunk(parts, 1), state, *biases)
 
 
-@register_rule(aten._thnn_fused_lstm_cell.default)
+@register_rule(aten._thnn_fused_lstm_cell.default, family=Family.RECURRENT)
 def fused_lstm_cell_rule(r: Replay) -> Any:
     """(hy, cy, workspace): the workspace holds the activated gates."""
     hy, cy, gates = lstm_cell(*cell_inputs(r, 4))
     return Kind.DECOMPOSED, (hy, cy, torch.cat(gates, 1))
 
 
-@register_rule(aten._thnn_fused_lstm_cell_backward_impl.default)
+@register_rule(aten._thnn_fused_lstm_cell_backward_impl.default, family=Family.RECURRENT)
 def fused_lstm_cell_backward_rule(r: Replay) -> Any:
     """(grad_gates, grad_cx, grad_bias); nothing when neither gradient is given."""
     grad_hy, grad_cy = r.arg("grad_hy"), r.arg("grad_cy")
@@ -171,14 +171,14 @@ def fused_lstm_cell_backward_rule(r: Replay) -> Any:
     return Kind.DECOMPOSED, (grad_gates, grad_cx, grad_gates.sum(0) if r.arg("has_bias") else None)
 
 
-@register_rule(aten._thnn_fused_gru_cell.default)
+@register_rule(aten._thnn_fused_gru_cell.default, family=Family.RECURRENT)
 def fused_gru_cell_rule(r: Replay) -> Any:
     """(hy, workspace): the workspace holds r, z, n, hx and the new gate's hidden side."""
     hy, saved = gru_cell(*cell_inputs(r, 3))
     return Kind.DECOMPOSED, (hy, torch.cat(saved, 1))
 
 
-@register_rule(aten._thnn_fused_gru_cell_backward.default)
+@register_rule(aten._thnn_fused_gru_cell_backward.default, family=Family.RECURRENT)
 def fused_gru_cell_backward_rule(r: Replay) -> Any:
     """(grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias)."""
     grad_input, grad_hidden, grad_hx = gru_cell_backward(r.arg("grad_hy"), r.arg("workspace").chunk(5, 1))
