@@ -79,8 +79,9 @@ def test_compiled_training_is_untouched_and_judged(name):
         _assert_kernels_within_budget(sm, recs)
 
 
-def _kernel_records(sm: ShadowMode) -> list[Record]:
-    return [Record.from_dict(d) for d in sm.report.meta.get(KERNELS_KEY, [])]
+def _kernel_records(sm: ShadowMode | shadow.Report) -> list[Record]:
+    report = sm.report if isinstance(sm, ShadowMode) else sm
+    return [Record.from_dict(d) for d in report.meta.get(KERNELS_KEY, [])]
 
 
 def _assert_kernels_within_budget(sm: ShadowMode, graphs: list) -> None:
@@ -304,7 +305,7 @@ def _two_kernels(x, w):
 @pytest.mark.skipif(_compat.compiled_graph_operator() is None,
                     reason="torch 2.4: shadow's graph is AOTAutograd's, from before the post-grad passes whose node "
                            "names Inductor's kernels use: kernels are not judged alone")
-def test_the_fused_kernel_that_rounds_to_bfloat16_is_named():
+def test_the_fused_kernel_that_rounds_to_bfloat16_is_named(tmp_path):
     """A graph of two fused kernels between two matmuls, exp's argument truncated to bfloat16: the kernel fusing exp
     (div, exp, add, on the first matmul's output in place) is over its budget, the other (tanh, mul, add) within
     its own (measured: 8.2e3 at 7.5 bits; 0.19 at 23 bits); compiled as Inductor lowers it, both within (0.16,
@@ -322,6 +323,8 @@ def test_the_fused_kernel_that_rounds_to_bfloat16_is_named():
     assert exp.over_budget and exp.budget.used > 100 and exp.local.effective_bits < 10, (exp.budget, exp.local)
     assert not tanh.over_budget and tanh.local.effective_bits > 21, (tanh.budget, tanh.local)
     assert sm.report.coverage.calls == len(sm.report.records)  # the kernels' records are not the program's calls
+    sm.report.save(tmp_path / "r.json")  # kept in the saved report's meta
+    assert _kernel_records(shadow.load_report(tmp_path / "r.json")) == [exp, tanh]
     scaled = (x @ w) / 4  # the first matmul is aten's mm (Inductor's extern kernel); / 4 is exact
     truncated = (scaled.view(torch.int32) & -65536).view(torch.float32)
     want = torch.exp(scaled.double()) + 1

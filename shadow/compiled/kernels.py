@@ -145,12 +145,15 @@ def _judged(call: Call, source: torch.fx.GraphModule, base: dict) -> Record:
 def _compared(traced: Traced, values: list, device: list, base: dict) -> Record:
     references, replayed = traced.run([v.to(SHADOW_DTYPES.get(v.dtype) or v.dtype) for v in values], None)
     references = [r.reshape(d.shape) if r.shape != d.shape else r for r, d in zip(references, device)]
-    dtype = device[0].dtype
+    floating = [k for k, d in enumerate(device) if d.is_floating_point()]  # discrete outputs: the graph's record
+    if not floating:
+        raise Unsupported(base["op"], "it writes no floating values")
+    dtype = device[floating[0]].dtype
     budget = GraphBudget(_Reference((traced, replayed))).budget(references, dtype)
     bounds = budget.compared
     stats = None
-    for k, (d, r) in enumerate(zip(device, references)):
-        one = compare(d, r, d.dtype, bounds[k] if k < len(bounds) else None)
+    for k in floating:
+        one = compare(device[k], references[k], device[k].dtype, bounds[k] if k < len(bounds) else None)
         if stats is None:
             stats = one
         else:
@@ -158,7 +161,7 @@ def _compared(traced: Traced, values: list, device: list, base: dict) -> Record:
     if stats.norm > 0:
         stats.effective_bits = budget.bits(stats)
     return Record(kind=Kind.REPLAYED, local=stats, budget=BudgetInfo("graph", stats.budget_used or 0.0),
-                  dtype=str(dtype), shape=tuple(device[0].shape), **base)
+                  dtype=str(dtype), shape=tuple(device[floating[0]].shape), **base)
 
 
 def _fused(source: torch.fx.GraphModule, reads: list[str], writes: list[str]) -> tuple[torch.fx.GraphModule, list]:
