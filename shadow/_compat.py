@@ -162,28 +162,30 @@ def show_cpp_kernels(sink: Callable[[torch.fx.GraphModule, str, list], None]) ->
 
 def _cpp_kernel_arguments(args: Any, graph: Any) -> list | None:
     """A C++ kernel's arguments in the order ``KernelArgs.cpp_argdefs`` writes them (in-place buffers, inputs,
-    outputs; sizes last): (read, written) node names; None where one is not a node's value, or sizes are passed."""
+    outputs; sizes last): (read, written) node names. A buffer written that is no node's value (a Welford
+    reduction's partial statistics) is written as None (not compared); the whole list is None where a buffer read
+    from outside the kernel is no node's value, or sizes are passed."""
     if args.sizevars:
         return None
 
-    def node(name: str) -> str:
+    def node(name: str) -> str | None:
         if name in graph.graph_inputs:
             return name
         origin = getattr(graph.get_buffer(name), "origin_node", None)
-        if origin is None:
-            raise LookupError(name)
-        return origin.name
+        return origin.name if origin is not None else None
 
-    found: list = []
-    try:
-        inplace = {id(v): v for v in args.inplace_buffers.values() if hasattr(v, "other_names")}
-        found += [(node(b.other_names[0]), node(b.other_names[-1])) for b in inplace.values()]
-        found += [(node(n), None) for n in args.input_buffers if n not in args.inplace_buffers]
-        found += [(None, node(n)) for n, inner in args.output_buffers.items()
-                  if n not in args.inplace_buffers and isinstance(inner, str)]
-    except LookupError:
+    inplace = {id(v): v for v in args.inplace_buffers.values() if hasattr(v, "other_names")}
+    # an in-place buffer the kernel wrote first itself (a reduction's partial result, then its final one) reads
+    # nothing from outside it
+    reads = [b.other_names[0] not in args.output_buffers for b in inplace.values()]
+    found = [(node(b.other_names[0]) if read else False, node(b.other_names[-1]))
+             for b, read in zip(inplace.values(), reads)]
+    found += [(node(n), None) for n in args.input_buffers if n not in args.inplace_buffers]
+    if any(read is None for read, _ in found):
         return None
-    return found
+    found = [(read or None, written) for read, written in found]
+    return found + [(None, node(n)) for n, inner in args.output_buffers.items()
+                    if n not in args.inplace_buffers and isinstance(inner, str)]
 
 
 def drop_compiled_code(module: torch.nn.Module) -> None:

@@ -76,7 +76,7 @@ def test_compiled_training_is_untouched_and_judged(name):
     assert all(graphs[r.op]["ops"] > 10 for r in recs)
     assert recs[0].module == type(build(name).model).__name__  # the compiled model, named as in an eager run
     if _compat.compiled_graph_operator() is not None:  # torch 2.13: each fused kernel judged alone too
-        _assert_kernels_within_budget(sm, recs)
+        _assert_kernels_within_budget(sm, recs, every=name == "block")
 
 
 def _kernel_records(sm: ShadowMode | shadow.Report) -> list[Record]:
@@ -84,14 +84,15 @@ def _kernel_records(sm: ShadowMode | shadow.Report) -> list[Record]:
     return [Record.from_dict(d) for d in report.meta.get(KERNELS_KEY, [])]
 
 
-def _assert_kernels_within_budget(sm: ShadowMode, graphs: list) -> None:
+def _assert_kernels_within_budget(sm: ShadowMode, graphs: list, every: bool) -> None:
     """Every kernel call of the graphs judged alone is within the budget composed from the nodes it fuses, reading
-    over 21 bits (measured on Block: budget used 0.11-0.80, 21.8-23.0 bits); the records are kept apart from the
-    report's (its totals count the graphs' calls once). Kernels whose buffers are no node's value (layer norm's
-    forward statistics) are recorded unsupported with the reason; most are judged."""
+    over 21 bits (measured on Block's 7 kernels: budget used 0.03-0.80, 21.8-23.0 bits); the records are kept apart
+    from the report's (its totals count the graphs' calls once). ``every``: each kernel is judged; else a kernel
+    reading a buffer that is no node's value may be recorded unsupported with the reason."""
     kernels = _kernel_records(sm)
     judged = [k for k in kernels if str(k.kind) == "replayed"]
-    assert len(judged) > len(kernels) / 2 and {k.module for k in kernels} == {r.op for r in graphs}
+    assert len(judged) == len(kernels) if every else len(judged) > len(kernels) / 2
+    assert {k.module for k in kernels} == {r.op for r in graphs}
     assert {k.index for k in kernels} <= {r.index for r in graphs}
     for k in judged:
         assert k.op.startswith("inductor.cpp_fused_") and k.budget.family == "graph", k

@@ -36,7 +36,7 @@ PREFIX = "inductor."  # a kernel record's op: "inductor.cpp_fused_add_div_exp_0"
 @dataclasses.dataclass(frozen=True, slots=True)
 class Kernel:
     """A C++ kernel as Inductor wrote its call: its name; per argument the node whose value it reads (None: an
-    output only) and the node whose value it writes (None: an input only)."""
+    output only) and the node whose value it writes (None: an input only, or a value no node holds)."""
 
     name: str
     reads: tuple[str | None, ...]
@@ -132,7 +132,7 @@ def judge(call: Call, source: torch.fx.GraphModule, graph: Record) -> Record:
 def _judged(call: Call, source: torch.fx.GraphModule, base: dict) -> Record:
     kernel = call.kernel
     if kernel is None:
-        raise Unsupported(base["op"], "a buffer it reads or writes is no node's value of the graph")
+        raise Unsupported(base["op"], "a buffer it reads is no node's value of the graph")
     inputs = {r: v for r, v in zip(kernel.reads, call.before) if r is not None}
     outputs = [(w, v) for w, v in zip(kernel.writes, call.after) if w is not None]
     sub, order = _fused(source, list(inputs), [w for w, _ in outputs])
