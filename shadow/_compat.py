@@ -164,7 +164,9 @@ def _cpp_kernel_arguments(args: Any, graph: Any) -> list | None:
     """A C++ kernel's arguments in the order ``KernelArgs.cpp_argdefs`` writes them (in-place buffers, inputs,
     outputs; sizes last): (read, written) node names. A buffer written that is no node's value (a Welford
     reduction's partial statistics) is written as None (not compared); the whole list is None where a buffer read
-    from outside the kernel is no node's value, or sizes are passed."""
+    from outside the kernel is no node's value, a buffer is written into another's memory, or sizes are passed."""
+    from torch._inductor.ir import NonOwningLayout
+
     if args.sizevars:
         return None
 
@@ -181,7 +183,10 @@ def _cpp_kernel_arguments(args: Any, graph: Any) -> list | None:
     found = [(node(b.other_names[0]) if read else False, node(b.other_names[-1]))
              for b, read in zip(inplace.values(), reads)]
     found += [(node(n), None) for n in args.input_buffers if n not in args.inplace_buffers]
-    if any(read is None for read, _ in found):
+    written = [n for n in args.output_buffers if n not in graph.graph_inputs]
+    # a buffer written into another's memory (a slice of a cat's output, which the kernel may read back whole)
+    if any(read is None for read, _ in found) or \
+            any(isinstance(graph.get_buffer(n).get_layout(), NonOwningLayout) for n in written):
         return None
     found = [(read or None, written) for read, written in found]
     return found + [(None, node(n)) for n, inner in args.output_buffers.items()

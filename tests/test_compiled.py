@@ -87,8 +87,8 @@ def _kernel_records(sm: ShadowMode | shadow.Report) -> list[Record]:
 def _assert_kernels_within_budget(sm: ShadowMode, graphs: list, every: bool) -> None:
     """Every kernel call of the graphs judged alone is within the budget composed from the nodes it fuses, reading
     over 21 bits (measured on Block's 7 kernels: budget used 0.03-0.80, 21.8-23.0 bits); the records are kept apart
-    from the report's (its totals count the graphs' calls once). ``every``: each kernel is judged; else a kernel
-    reading a buffer that is no node's value may be recorded unsupported with the reason."""
+    from the report's (its totals count the graphs' calls once). ``every``: each kernel is judged; else some may be
+    recorded unsupported with the reason (the GPT's: a dropout kernel, kernels writing slices of a cat's output)."""
     kernels = _kernel_records(sm)
     judged = [k for k in kernels if str(k.kind) == "replayed"]
     assert len(judged) == len(kernels) if every else len(judged) > len(kernels) / 2
@@ -96,8 +96,9 @@ def _assert_kernels_within_budget(sm: ShadowMode, graphs: list, every: bool) -> 
     assert {k.index for k in kernels} <= {r.index for r in graphs}
     for k in judged:
         assert k.op.startswith("inductor.cpp_fused_") and k.budget.family == "graph", k
-        assert not k.over_budget and k.local.effective_bits > 21, (k.op, k.budget, k.local)
-    assert all("no node's value" in k.reason for k in kernels if k not in judged)
+        # data movement alone (the GPT's transposes of the heads) is exact: no bits to read
+        assert not k.over_budget and (k.local.exact or k.local.effective_bits > 21), (k.op, k.budget, k.local)
+    assert all(k.reason for k in kernels if k not in judged), kernels
     assert sm.report.coverage.calls == len(sm.report.records) and sm.report.coverage.internal_errors == 0
 
 

@@ -123,7 +123,9 @@ def judge(call: Call, source: torch.fx.GraphModule, graph: Record) -> Record:
     nodes cannot be told or replayed."""
     base = dict(index=graph.index, op=PREFIX + call.name, module=graph.op, phase=graph.phase)
     try:
-        return _judged(call, source, base)
+        # the device's generator is never drawn from (the kernel's nodes may hold the dropout's draws)
+        with torch.random.fork_rng(devices=[]):
+            return _judged(call, source, base)
     except Exception as exc:  # a kernel shadow cannot judge alone: the graph's record still judges it
         reason = exc.reason if isinstance(exc, Unsupported) else f"{type(exc).__name__}: {exc}"
         return Record(kind=Kind.UNSUPPORTED, reason=reason[:300], **base)
@@ -132,7 +134,8 @@ def judge(call: Call, source: torch.fx.GraphModule, graph: Record) -> Record:
 def _judged(call: Call, source: torch.fx.GraphModule, base: dict) -> Record:
     kernel = call.kernel
     if kernel is None:
-        raise Unsupported(base["op"], "a buffer it reads is no node's value of the graph")
+        raise Unsupported(base["op"], "its buffers are not all the graph's nodes' values (a buffer it reads, "
+                          "or one it writes into another's memory)")
     inputs = {r: v for r, v in zip(kernel.reads, call.before) if r is not None}
     outputs = [(w, v) for w, v in zip(kernel.writes, call.after) if w is not None]
     sub, order = _fused(source, list(inputs), [w for w, _ in outputs])
@@ -143,7 +146,8 @@ def _judged(call: Call, source: torch.fx.GraphModule, base: dict) -> Record:
 
 
 def _compared(traced: Traced, values: list, device: list, base: dict) -> Record:
-    references, replayed = traced.run([v.to(SHADOW_DTYPES.get(v.dtype) or v.dtype) for v in values], None)
+    # a value random draws alone decide (a dropout mask the kernel writes) is the device's, as in a graph's replay
+    references, replayed = traced.run([v.to(SHADOW_DTYPES.get(v.dtype) or v.dtype) for v in values], device)
     references = [r.reshape(d.shape) if r.shape != d.shape else r for r, d in zip(references, device)]
     floating = [k for k, d in enumerate(device) if d.is_floating_point()]  # discrete outputs: the graph's record
     if not floating:
