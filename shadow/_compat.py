@@ -126,6 +126,73 @@ def show_compiled_graphs(wrap: Callable[[Any, Any], Any], load: bool) -> Callabl
     return lambda: setattr(compile_fx, "compile_fx", original)
 
 
+def show_cpp_kernels(sink: Callable[[torch.fx.GraphModule, str, list], None]) -> Callable[[], None] | None:
+    """torch 2.13: until the returned undo, every C++ kernel Inductor generates is shown to ``sink(graph, name,
+    arguments)`` as its call is written: the post-grad graph Inductor lowers (``V.graph.module``, whose node names
+    the ``inductor_compiled_code`` operator's graph keeps), the kernel's name, and per C++ argument in order the
+    (read, written) node names of the values it holds before and after the call (None: none; the whole list None
+    where a buffer is no node's value). Inductor's FX graph and AOTAutograd caches are off meanwhile: a cached graph
+    generates no code (the code they would return is the code generated again). None on torch 2.4: shadow's graph
+    there is AOTAutograd's, copied before Inductor's post-grad passes rename and replace its nodes."""
+    if compiled_graph_operator() is None:
+        return None
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as config
+    from torch._inductor.codegen import cpp
+    from torch._inductor.virtualized import V
+
+    original = cpp.KernelGroup.call_kernel
+
+    def call_kernel(group: Any, wrapper: Any, kernel_name: str) -> Any:
+        try:
+            sink(V.graph.module, kernel_name, _cpp_kernel_arguments(group.args, V.graph))
+        except Exception:  # what shadow cannot read of a kernel must not stop the compile: it is not judged alone
+            pass
+        return original(group, wrapper, kernel_name)
+
+    saved = config.fx_graph_cache, functorch_config.enable_autograd_cache
+    cpp.KernelGroup.call_kernel = call_kernel
+    config.fx_graph_cache = functorch_config.enable_autograd_cache = False
+
+    def undo() -> None:
+        cpp.KernelGroup.call_kernel = original
+        config.fx_graph_cache, functorch_config.enable_autograd_cache = saved
+    return undo
+
+
+def _cpp_kernel_arguments(args: Any, graph: Any) -> list | None:
+    """A C++ kernel's arguments in the order ``KernelArgs.cpp_argdefs`` writes them (in-place buffers, inputs,
+    outputs; sizes last): (read, written) node names. A buffer written that is no node's value (a Welford
+    reduction's partial statistics) is written as None (not compared); the whole list is None where a buffer read
+    from outside the kernel is no node's value, a buffer is written into another's memory, or sizes are passed."""
+    from torch._inductor.ir import NonOwningLayout
+
+    if args.sizevars:
+        return None
+
+    def node(name: str) -> str | None:
+        if name in graph.graph_inputs:
+            return name
+        origin = getattr(graph.get_buffer(name), "origin_node", None)
+        return origin.name if origin is not None else None
+
+    inplace = {id(v): v for v in args.inplace_buffers.values() if hasattr(v, "other_names")}
+    # an in-place buffer the kernel wrote first itself (a reduction's partial result, then its final one) reads
+    # nothing from outside it
+    reads = [b.other_names[0] not in args.output_buffers for b in inplace.values()]
+    found = [(node(b.other_names[0]) if read else False, node(b.other_names[-1]))
+             for b, read in zip(inplace.values(), reads)]
+    found += [(node(n), None) for n in args.input_buffers if n not in args.inplace_buffers]
+    written = [n for n in args.output_buffers if n not in graph.graph_inputs]
+    # a buffer written into another's memory (a slice of a cat's output, which the kernel may read back whole)
+    if any(read is None for read, _ in found) or \
+            any(isinstance(graph.get_buffer(n).get_layout(), NonOwningLayout) for n in written):
+        return None
+    found = [(read or None, written) for read, written in found]
+    return found + [(None, node(n)) for n, inner in args.output_buffers.items()
+                    if n not in args.inplace_buffers and isinstance(inner, str)]
+
+
 def drop_compiled_code(module: torch.nn.Module) -> None:
     """Drop the code dynamo compiled for a ``torch.compile(model)`` module, so that its next call compiles again:
     the entries of the model's ``forward`` (the frame dynamo compiles, torch 2.4 to 2.13) and of the function the

@@ -14,6 +14,7 @@ from ..plan import ArgSpec, ArgType, OpPlan, Param, ReturnSpec, plan_of
 from ..records import Kind
 from ..replay import Replay
 from .budget import GraphBudget
+from .kernels import Call, Kernel, capture
 from .trace import Traced, Values
 
 
@@ -25,8 +26,11 @@ class Graph:
     which shadow.audit runs on its worlds' values), ``chain`` (the replay rule), ``budget`` (its composed budget,
     which reads the reference replay's values)."""
 
-    def __init__(self, compiled: Callable[[list], Any], source: torch.fx.GraphModule, name: str):
+    def __init__(self, compiled: Callable[[list], Any], source: torch.fx.GraphModule, name: str,
+                 kernels: Callable[[torch.fx.GraphModule, tuple], dict[str, Kernel | None]] = lambda gm, inputs: {}):
         self.compiled = compiled
+        self._kernels = kernels  # the C++ kernels Inductor showed for this graph (shadow.compiled.kernels)
+        self.calls: list[Call] = []  # the last call's kernel calls
         self.source = source
         self.name = name
         self.ops = sum(1 for n in source.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
@@ -42,13 +46,15 @@ class Graph:
         """The device's computation: the compiled code, on the call's inputs; its outputs as the plan returns them
         (a graph of one output returns it alone: ``boxed`` makes the list the compiled code returns again)."""
         self._call, self.reference = self._trace(inputs), None
-        out = self.compiled(list(inputs))
+        with capture(self.compiled, self._kernels(self.source, inputs)) as self.calls:
+            out = self.compiled(list(inputs))
         self._out = out[0] if len(self.plan.returns) == 1 else out
         return self._out
 
     def release(self) -> None:
         """Let go of the last call's tensors (its outputs, its replay's values)."""
         self._out = self.reference = None
+        self.calls = []
 
     def boxed(self, out: Any) -> Any:
         """What the compiled code returns, from what ``__call__`` returned."""

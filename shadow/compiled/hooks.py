@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _compat
 from .graph import Graph
+from .kernels import Kernels
 
 GRAPHS_KEY = "compiled_graphs"  # report.meta[GRAPHS_KEY]: name -> {"ops", "inputs", "outputs"} of each graph seen
 
@@ -37,14 +38,16 @@ class Graphs:
     "compiled.graph1", ... (the same program names them alike in every run). Each graph's facts go to the
     report's meta (``GRAPHS_KEY``)."""
 
-    def __init__(self, meta: dict):
+    def __init__(self, meta: dict, kernels: Kernels):
         self._by_code = WeakIdKeyDictionary()  # compiled callable -> Graph (a CompiledFxGraph has no hash)
         self._meta = meta
+        self._kernels = kernels
 
     def get(self, compiled: Any, source: torch.fx.GraphModule) -> Graph:
         graph = self._by_code.get(compiled)
         if graph is None:
-            graph = Graph(compiled, source, f"compiled.graph{len(self._meta.setdefault(GRAPHS_KEY, {}))}")
+            graph = Graph(compiled, source, f"compiled.graph{len(self._meta.setdefault(GRAPHS_KEY, {}))}",
+                          self._kernels.of)
             self._by_code[compiled] = graph
             self._meta[GRAPHS_KEY][graph.name] = {"ops": graph.ops, "inputs": len(graph.plan.tensor_args),
                                                   "outputs": len(graph.plan.returns)}
@@ -74,8 +77,9 @@ class Watch:
     (graphs Inductor compiles in between come back shown: torch 2.13's flag, or 2.4's ``compile_fx`` wrapped), and
     ``compiled_module`` before a torch.compile'd module's call."""
 
-    def __init__(self, mode: type):
+    def __init__(self, mode: type, kernels: Kernels):
         self._mode = mode
+        self._kernels = kernels
         self._undo: list[Callable[[], None]] = []
         self._recompiled: weakref.WeakSet = weakref.WeakSet()  # the compiled modules this block compiled again
 
@@ -95,6 +99,9 @@ class Watch:
                                                    load)
             if restore is not None:
                 self._undo.append(restore)
+                kernels = _compat.show_cpp_kernels(self._kernels.shown)
+                if kernels is not None:
+                    self._undo.append(kernels)
         return bool(self._undo)
 
     def compiled_module(self, module: torch.nn.Module) -> bool:

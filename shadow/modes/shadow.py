@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from ..attribution.tracking import Attribution
 from .. import _compat
 from ..compiled import hooks
+from ..compiled.kernels import Kernels
 from ..engine import Engine, EngineHooks
 from ..errors import ShadowWarning
 from ..options import Options
@@ -148,8 +149,9 @@ class ShadowMode:
         self.report = Report(max_records=self.options.max_records, meta=self._meta())
         self._attr = Attribution(on_compiled=self._compiled_module, callsites=self.options.callsites)
         self._adopting: dict = {}  # compiled modules whose outputs are adopted -> their hook
-        self._graphs = hooks.Graphs(self.report.meta)  # the compiled graphs seen, by their compiled code
-        self._watch = hooks.Watch(ShadowDispatch)  # what the block does so that compiled graphs reach the mode
+        kernels = Kernels()  # the C++ kernels Inductor generates in the block (torch 2.13), judged one by one
+        self._graphs = hooks.Graphs(self.report.meta, kernels)  # the compiled graphs seen, by their compiled code
+        self._watch = hooks.Watch(ShadowDispatch, kernels)  # what the block does so compiled graphs reach the mode
         self._trajectory = Trajectory(self._attr.parameter_names)
         self.report.trajectory = self._trajectory.steps
         own = EngineHooks(recorded=self._trajectory.seen,
