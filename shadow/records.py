@@ -71,6 +71,11 @@ class BudgetInfo:
     is_default: bool = False
 
 
+# report.meta[KERNELS_KEY]: the record (Record.to_dict) of each call of a compiled graph's fused kernel judged alone
+# (shadow.compiled.kernels): kept apart from the records, since the graph's own record already holds its error
+KERNELS_KEY = "compiled_kernels"
+
+
 @dataclasses.dataclass(slots=True)
 class Record:
     """One op call. ``local``: the device output against the op replayed in float64 on the device's own

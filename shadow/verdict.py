@@ -23,7 +23,7 @@ import dataclasses
 import math
 
 from .nonfinite import Absorbed, Flow, Reach, flow
-from .records import Aggregate, Record, op_class
+from .records import KERNELS_KEY, Aggregate, Record, op_class
 from .reportdata import ReportData
 
 # mantissa bits each dtype stores (what `effective_bits` reads in), and the narrower arithmetics an error may read
@@ -267,6 +267,7 @@ class Verdict:
     unsupported: tuple[tuple[str, str], ...]  # (op, first reason) of the ops shadow could not replay
     unsupported_calls: int
     notes: tuple[str, ...]  # what else limits the report: internal errors, unseen writes, capped records...
+    kernels: tuple[FusedKernel, ...]  # fused kernels of compiled graphs over budget, judged alone, worst first
     known: tuple[tuple[str, str], ...]  # (op class over budget, the kernel property that explains it: KERNELS)
 
     @property
@@ -304,6 +305,7 @@ class Verdict:
             out.append(f"{n} op class{'es' if n > 1 else ''} over budget ({'their' if n > 1 else 'its'} own "
                        f"error beyond what a correct {dtypes} kernel makes):")
             out += [f"  {c}" for c in self.over_budget]
+        out += [f"  {k}" for k in self.kernels]
         out += [f"known: {op}: {why}" for op, why in self.known]
         if self.first_nonfinite_op:
             out.append(f"device and shadow disagree on NaN/Inf in {self.nonfinite_elements} elements, first in "
@@ -338,6 +340,41 @@ class Verdict:
     @property
     def text(self) -> str:
         return "\n".join(self.lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedKernel:
+    """A fused kernel of a compiled graph over its budget, judged alone against its own nodes' float64 replay
+    (``report.meta[KERNELS_KEY]``): the kernel in the graph that errs."""
+
+    op: str  # "inductor.cpp_fused_add_div_exp_0"
+    graph: str  # "compiled.graph0"
+    calls: int  # calls judged
+    over_calls: int  # ... over budget
+    budget_used: float  # the worst call's
+    effective_bits: float | None
+
+    def __str__(self) -> str:
+        bits = "" if self.effective_bits is None else f" (reads ~{self.effective_bits:.0f} bits)"
+        return (f"fused kernel {self.op} of {self.graph}: {times(self.budget_used)} budget in {self.over_calls} of "
+                f"{self.calls} calls{bits}")
+
+
+def fused_kernels(report: ReportData) -> tuple[FusedKernel, ...]:
+    """The compiled graphs' fused kernels with calls over budget, the worst first."""
+    calls: dict[tuple[str, str], list[Record]] = {}
+    for d in report.meta.get(KERNELS_KEY) or ():
+        r = Record.from_dict(d)
+        calls.setdefault((r.op, r.module), []).append(r)
+    found = []
+    for (op, graph), rs in calls.items():
+        over = [r for r in rs if r.over_budget]
+        if over:
+            worst = max(over, key=lambda r: r.budget.used)
+            bits = worst.local.effective_bits if worst.local is not None else None
+            found.append(FusedKernel(op, graph, len(rs), len(over), worst.budget.used,
+                                     bits if bits is not None and math.isfinite(bits) else None))
+    return tuple(sorted(found, key=lambda k: (-k.budget_used, k.op)))
 
 
 def _thnn_bf16_convolutions(numerics: dict) -> bool:
@@ -425,4 +462,4 @@ def conclude(report: ReportData) -> Verdict:
         first_nonfinite_op=first[1] if first is not None and first[0] not in kept else "",
         untrusted=tuple(sorted(untrusted.items(), key=lambda kv: (-kv[1], kv[0]))),
         unsupported=unsupported, unsupported_calls=cov.unsupported_calls, notes=tuple(notes),
-        known=known_kernels(over_budget, report.meta.get("numerics") or {}))
+        kernels=fused_kernels(report), known=known_kernels(over_budget, report.meta.get("numerics") or {}))

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 import shadow
 from shadow import ShadowMode, _compat
 from shadow.compiled.hooks import GRAPHS_KEY
-from shadow.compiled.kernels import KERNELS_KEY
-from shadow.records import Record
+from shadow.records import KERNELS_KEY, Record
 from shadow.reportdiff import diff_reports
+from shadow.verdict import conclude
 
 from corpus import build, run
 from test_corpus import _run, assert_sees_everything
@@ -326,6 +326,9 @@ def test_the_fused_kernel_that_rounds_to_bfloat16_is_named(tmp_path):
     assert exp.over_budget and exp.budget.used > 100 and exp.local.effective_bits < 10, (exp.budget, exp.local)
     assert not tanh.over_budget and tanh.local.effective_bits > 21, (tanh.budget, tanh.local)
     assert sm.report.coverage.calls == len(sm.report.records)  # the kernels' records are not the program's calls
+    (named,) = conclude(sm.report).kernels  # the verdict names the kernel that errs, and only it
+    assert (named.op, named.graph, named.over_calls) == (exp.op, graph.op, 1)
+    assert any(line.startswith(f"  fused kernel {exp.op} of {graph.op}: ") for line in conclude(sm.report).lines)
     sm.report.save(tmp_path / "r.json")  # kept in the saved report's meta
     assert _kernel_records(shadow.load_report(tmp_path / "r.json")) == [exp, tanh]
     scaled = (x @ w) / 4  # the first matmul is aten's mm (Inductor's extern kernel); / 4 is exact
@@ -342,6 +345,7 @@ def test_the_fused_kernel_that_rounds_to_bfloat16_is_named(tmp_path):
         torch.compile(_two_kernels)(x, w)
     kernels = _kernel_records(sm)
     assert len(kernels) == 2 and all(not k.over_budget and k.local.effective_bits > 21 for k in kernels), kernels
+    assert conclude(sm.report).kernels == ()
 
 
 def test_graph_names_are_the_order_graphs_are_first_seen():

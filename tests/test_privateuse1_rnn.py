@@ -17,7 +17,7 @@ from shadow import ShadowMode
 from shadow.budgets import budget_for
 from shadow.plan import plan_of
 from shadow.replay import Replay
-from shadow.replay import kernels
+from shadow.replay import recurrent
 
 from privateuse1 import device
 
@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.privateuse1, pytest.mark.usefixtures("one_thread")]
 aten = torch.ops.aten
 CELLS = {"lstm": (aten._thnn_fused_lstm_cell.default, aten._thnn_fused_lstm_cell_backward_impl.default, 4),
          "gru": (aten._thnn_fused_gru_cell.default, aten._thnn_fused_gru_cell_backward.default, 3)}
-RULES = {aten._thnn_fused_lstm_cell.default: kernels.fused_lstm_cell_rule,
-         aten._thnn_fused_lstm_cell_backward_impl.default: kernels.fused_lstm_cell_backward_rule,
-         aten._thnn_fused_gru_cell.default: kernels.fused_gru_cell_rule,
-         aten._thnn_fused_gru_cell_backward.default: kernels.fused_gru_cell_backward_rule}
+RULES = {aten._thnn_fused_lstm_cell.default: recurrent.fused_lstm_cell_rule,
+         aten._thnn_fused_lstm_cell_backward_impl.default: recurrent.fused_lstm_cell_backward_rule,
+         aten._thnn_fused_gru_cell.default: recurrent.fused_gru_cell_rule,
+         aten._thnn_fused_gru_cell_backward.default: recurrent.fused_gru_cell_backward_rule}
 
 
 @pytest.fixture(scope="module")

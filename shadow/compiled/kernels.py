@@ -24,13 +24,12 @@ from ..errors import Unsupported
 from ..metrics import compare
 from ..mirror import SHADOW_DTYPES
 from ..opsets import Family
-from ..records import BudgetInfo, Kind, Record
+from ..records import KERNELS_KEY, BudgetInfo, Kind, Record
 from .budget import GraphBudget
 from .trace import Traced
 
 # the replay and the comparison are shadow's own work: no mode below sees them
 _no_dispatch = torch._C._DisableTorchDispatch
-KERNELS_KEY = "compiled_kernels"  # report.meta[KERNELS_KEY]: each kernel call's record (Record.to_dict)
 PREFIX = "inductor."  # a kernel record's op: "inductor.cpp_fused_add_div_exp_0"
 
 

@@ -11,12 +11,12 @@ import torch
 
 from ..attribution.tracking import Attribution
 from ..budgets import InUlps, fixed_budget
-from ..compiled.kernels import KERNELS_KEY, judge as judge_kernel
+from ..compiled.kernels import judge as judge_kernel
 from ..errors import ShadowMemoryError
 from ..mirror import CPU, Mirror, Placement
 from ..options import Options
 from ..plan import OpPlan, plan_of
-from ..records import Kind
+from ..records import KERNELS_KEY, Kind
 from ..replay import REPLAY, view_rule
 from ..reportdata import ReportData
 from ..scratch import Scratch
