@@ -30,6 +30,7 @@ import os
 import pathlib
 import shutil
 import sys
+import time
 
 import torch
 
@@ -68,6 +69,9 @@ def _exists(name: str) -> bool:
     return packet is not None and (overload or "default") in packet.overloads()
 
 
+STALE_LOCK_S = 20 * 60  # a build takes 1-3 minutes on 2 cores: a lock this old is a killed build's
+
+
 @functools.cache
 def extension():
     """The built extension, its kernels registered (once per process)."""
@@ -80,6 +84,9 @@ def extension():
     tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
     build = CACHE / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
     build.mkdir(parents=True, exist_ok=True)
+    lock = build / "lock"  # torch's FileBaton: a build killed midway leaves it, and every later build waits forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
     ext = cpp_extension.load(name=f"shadow_privateuse1_{tag}", sources=[str(SOURCE)], build_directory=str(build),
                              extra_cflags=["-O2"], verbose=False)
     own = set(ext.own_kernels())
