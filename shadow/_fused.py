@@ -47,8 +47,8 @@ _INF = np.inf
 
 @intrinsic
 def pointer(typingctx, address):
-    """An address as a pointer, for numba.carray: tensors reach the kernel as data_ptr() (about 0.1 us)
-    rather than as numpy arrays (np.from_dlpack: about 3 us each, more than a 1k-element pass)."""
+    """An address as a pointer, for numba.carray: tensors reach the kernel as data_ptr() rather than as numpy
+    arrays (np.from_dlpack costs more than a 1k-element pass)."""
     if not isinstance(address, types.Integer):
         return None
 

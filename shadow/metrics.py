@@ -176,7 +176,7 @@ def host(t: torch.Tensor) -> np.ndarray:
 
 
 _TINY = 64  # elements: below this a Python loop beats numpy's and torch's calls (scalars, biases, optimizer steps)
-_LOOP_FUSED = 16  # ... and with numba, up to this only: its pass costs ~4 us at any small size, the loop 0.2 a value
+_LOOP_FUSED = 16  # ... and with numba, up to this only: its pass has a fixed cost the loop passes here
 _SMALL = 1 << 14  # without numba: below this per-call overhead dominates (numpy); above, memory traffic (torch)
 
 
@@ -418,8 +418,8 @@ def _compare_python(yl: list, rl: list, bl: list | None, dtype: torch.dtype, n: 
 @functools.cache  # finfo costs more than a comparison
 def _consts(dtype: torch.dtype) -> tuple[float, float]:
     """(smallest normal, 2**p) of a dtype's real part."""
-    rdt = _real_dtype(dtype)
-    return torch.finfo(rdt).tiny, 2.0 ** precision_bits(rdt)
+    real = _real_dtype(dtype)
+    return torch.finfo(real).tiny, 2.0 ** precision_bits(real)
 
 
 @np.errstate(all="ignore")  # inf - inf and 0/0 are counted below, never printed into the user's stderr

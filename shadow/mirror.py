@@ -153,8 +153,8 @@ class Placement:
 
 
 class _Entry:
-    __slots__ = ("weak", "key", "base", "sptr", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite", "drift",
-                 "adopted")
+    __slots__ = ("weak", "key", "base", "shadow_storage", "itemsize", "nbytes", "held", "exact", "writes", "nonfinite",
+                 "drift", "adopted")
 
     def __init__(self, storage: torch.UntypedStorage, base: torch.Tensor, itemsize: int, exact: bool, writes: int,
                  nonfinite: bool):
@@ -163,7 +163,7 @@ class _Entry:
         self.weak = storage._weak_ref()
         self.key = storage._cdata
         self.base = base  # 1-D shadow of the whole storage
-        self.sptr = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
+        self.shadow_storage = base.untyped_storage()._cdata  # the shadow's own storage, to spot outputs aliasing it
         self.itemsize = itemsize
         self.nbytes = storage.nbytes()
         self.held = base.numel() * base.element_size()  # the shadow's bytes (Mirror.held)
@@ -219,7 +219,7 @@ def _as_pair(base: torch.Tensor, itemsize: int, t: torch.Tensor) -> torch.Tensor
 def any_nonfinite(values: torch.Tensor) -> bool:
     """Whether ``values`` hold a NaN or an infinity. Their sum is non-finite wherever an element is (and, rarely,
     where finite values overflow it): only then does the exact test run, whose mask is as large as ``values``
-    (a sum of 38M float64 values takes 25 ms, the mask and its test 300). A nested tensor: its components'."""
+    and costs an order of magnitude more than the sum. A nested tensor: its components'."""
     if values.is_nested:
         values = nested.values(values)
     if values.numel() == 0 or (values.dtype in _SUMMED and bool(torch.isfinite(values.sum()))):
@@ -273,7 +273,7 @@ class Mirror:
         # the dtype of a tensor's shadow, by its dtype (None: not mirrored); follow="reference" keeps discrete
         # results in their own dtype. A dict's get: it is asked several times per op call
         self.shadow_dtype: Callable[[torch.dtype], torch.dtype | None] = {
-            d: d if sd is None and follow_reference else sd for d, sd in SHADOW_DTYPES.items()}.get
+            d: d if to is None and follow_reference else to for d, to in SHADOW_DTYPES.items()}.get
         self._entries: dict[int, _Entry] = {}
         self._empty: dict[int, StorageWeakRef] = {}  # uninitialized storages not read yet (empty's results)
         self._versions: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id(t) -> (ref, key, version, writes)
@@ -285,10 +285,10 @@ class Mirror:
     # --- reading ---
     def entry(self, t: torch.Tensor) -> _Entry:
         """The entry of t's storage, adopting the storage from the device when first seen."""
-        st = t.untyped_storage()
-        e = self._entries.get(st._cdata)
-        if e is None or e.nbytes != st.nbytes():
-            e = self._adopt(t, st, e)
+        storage = t.untyped_storage()
+        e = self._entries.get(storage._cdata)
+        if e is None or e.nbytes != storage.nbytes():
+            e = self._adopt(t, storage, e)
         return e
 
     def view(self, t: torch.Tensor, e: _Entry) -> torch.Tensor:
@@ -310,24 +310,25 @@ class Mirror:
             return nested.view(copy(storage, dtype, device), t)
         return copy(t, dtype, device)
 
-    def _adopt(self, t: torch.Tensor, st: torch.UntypedStorage, old: _Entry | None) -> _Entry:
+    def _adopt(self, t: torch.Tensor, storage: torch.UntypedStorage, old: _Entry | None) -> _Entry:
         itemsize = t.element_size()
-        n = st.nbytes() // itemsize
+        n = storage.nbytes() // itemsize
         base = copy(_storage_values(t, n), self.shadow_dtype(t.dtype), self.place(t.device))
         if old is None:
             self.adopted += 1
-            e = _Entry(st, base, itemsize, exact=True, writes=0, nonfinite=any_nonfinite(base))
+            e = _Entry(storage, base, itemsize, exact=True, writes=0, nonfinite=any_nonfinite(base))
             e.adopted = self.adopted
-            return self._keep(st, e)
-        if old.itemsize == itemsize and old.nbytes < st.nbytes():
+            return self._keep(storage, e)
+        if old.itemsize == itemsize and old.nbytes < storage.nbytes():
             # the storage grew in place (resize_, out= resizing): its old contents are kept, so is their shadow
             base[: old.base.numel()] = old.base
-            return self._keep(st, _Entry(st, base, itemsize, exact=old.exact, writes=old.writes,
+            return self._keep(storage, _Entry(storage, base, itemsize, exact=old.exact, writes=old.writes,
                                          nonfinite=old.nonfinite or any_nonfinite(base)))
-        return self._keep(st, _Entry(st, base, itemsize, exact=True, writes=old.writes, nonfinite=any_nonfinite(base)))
+        return self._keep(storage, _Entry(storage, base, itemsize, exact=True, writes=old.writes,
+                                          nonfinite=any_nonfinite(base)))
 
-    def _keep(self, st: torch.UntypedStorage, e: _Entry) -> _Entry:
-        self._put(st._cdata, e)
+    def _keep(self, storage: torch.UntypedStorage, e: _Entry) -> _Entry:
+        self._put(storage._cdata, e)
         return e
 
     def known(self, t: torch.Tensor) -> _Entry | None:
@@ -336,9 +337,9 @@ class Mirror:
 
     def resync(self, t: torch.Tensor) -> None:
         """Re-read t's whole storage from the device (after a write shadow did not see)."""
-        st = t.untyped_storage()
-        old = self._entries.get(st._cdata)
-        self._adopt(t, st, old)
+        storage = t.untyped_storage()
+        old = self._entries.get(storage._cdata)
+        self._adopt(t, storage, old)
 
     def _put(self, key: int, e: _Entry) -> None:
         old = self._entries.get(key)
@@ -358,8 +359,8 @@ class Mirror:
         ``fresh``: value is a new tensor no other shadow aliases, so it can become the storage shadow
         without a copy when t covers its whole storage contiguously. ``nonfinite``: t holds a NaN or an
         infinity; ``drift``: the rel_norm of t against value."""
-        st = t.untyped_storage()
-        key, nbytes = st._cdata, st.nbytes()
+        storage = t.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
         e = self._entries.get(key)
         itemsize = t.element_size()
         if e is not None and e.nbytes == nbytes:
@@ -371,7 +372,7 @@ class Mirror:
                 e.drift = _drift_after(e, t, drift)
                 return e
         n, numel = nbytes // itemsize, t.numel()
-        sd = self.shadow_dtype(t.dtype)
+        shadow_dtype = self.shadow_dtype(t.dtype)
         if (
             fresh
             and not t.is_nested  # a nested value's buffer may be laid out otherwise: copied below
@@ -379,16 +380,16 @@ class Mirror:
             and t.storage_offset() == 0
             and t.is_contiguous()
             and value.is_contiguous()
-            and value.dtype == sd
+            and value.dtype == shadow_dtype
             and not (t.is_conj() or t.is_neg() or value.is_conj() or value.is_neg())  # base holds raw values
         ):
             base = value if value.dim() == 1 else value.reshape(-1)
         else:  # the output does not cover its storage: the rest is what the device holds
-            base = copy(_storage_values(t, n), sd, self.place(t.device))
+            base = copy(_storage_values(t, n), shadow_dtype, self.place(t.device))
             if numel != n:  # the device's values, read where they arrived, before t's region takes the shadow's
                 nonfinite = nonfinite or any_nonfinite(base)
             _write_region(base, t, value)
-        new = _Entry(st, base, itemsize, exact, e.writes if e is not None else 0, nonfinite)
+        new = _Entry(storage, base, itemsize, exact, e.writes if e is not None else 0, nonfinite)
         new.drift = drift
         self._put(key, new)
         return new
@@ -399,11 +400,11 @@ class Mirror:
 
         Usually the replay wrote into the storage shadow already; when the op moved or resized t's
         storage (``out=`` reallocation, ``resize_``, ``set_``), the value is copied to where t now lies."""
-        st = t.untyped_storage()
-        e = self._entries.get(st._cdata)
+        storage = t.untyped_storage()
+        e = self._entries.get(storage._cdata)
         if (
             e is not None
-            and e.nbytes == st.nbytes()
+            and e.nbytes == storage.nbytes()
             and e.itemsize == t.element_size()
             and shadow_view.untyped_storage()._cdata == e.base.untyped_storage()._cdata
             and _same_place(shadow_view, t)
@@ -471,8 +472,8 @@ class Mirror:
 
     def seen_empty(self, t: torch.Tensor) -> None:
         """t is uninitialized memory an op returned (empty): adopted at its first read, whatever wrote it."""
-        st = t.untyped_storage()
-        self._empty[st._cdata] = StorageWeakRef(st)
+        storage = t.untyped_storage()
+        self._empty[storage._cdata] = StorageWeakRef(storage)
 
     def lookup(self, t: torch.Tensor) -> torch.Tensor | None:
         """The current shadow of t, or None if t's storage was never seen."""

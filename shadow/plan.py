@@ -96,7 +96,7 @@ _REMAP_TYPES = {"int", "Optional[int]", "Device", "Optional[Device]"}
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class OpPlan:
     func: torch._ops.OpOverload
-    call: Callable[..., Any]  # func's own entry (OpOverload._op) for the replays: func adds a Python frame (0.2 us)
+    call: Callable[..., Any]  # func's own entry (OpOverload._op) for the replays: func adds a Python frame
     name: str  # "aten.addmm.default"
     op_name: str  # the schema name without namespace and overload: "add_" for aten.add_.Tensor
     base: str  # ... without an in-place op's trailing underscore: "add"

@@ -29,7 +29,7 @@ import math
 import torch
 
 # glibc serves smaller ones from its heap, in memory already touched (its mmap threshold grows to 32 MB as mapped
-# chunks are freed): a fresh 64 MB upcast took 18 ms and one into touched memory 3.2 ms; 16 to 32 MB, alike
+# chunks are freed); a fresh mapping above it pays a page fault per page (benchmarks/page_faults.py)
 MIN_BYTES = 32 << 20
 # a storage's use count (torch 2.4 to 2.13 have it): without it nothing tells a free buffer, and nothing is pooled
 _use_count = getattr(torch._C, "_storage_Use_Count", None)

@@ -72,12 +72,12 @@ def _distance(engine: Engine, p: torch.Tensor, params: list[torch.Tensor]) -> tu
     those the optimizer step's comparisons read over, or they cross now with the other ``params`` that must
     (``Engine.near``); NaN distance where either holds a NaN or an infinity, as their difference would."""
     shadow = engine.shadow_view(p)
-    st = compare(engine.near(p.detach(), params), shadow, p.dtype)
-    if st.nonfinite or st.nonfinite_agreed:
+    stats = compare(engine.near(p.detach(), params), shadow, p.dtype)
+    if stats.nonfinite or stats.nonfinite_agreed:
         return math.nan, float(torch.linalg.vector_norm(shadow))
-    if st.norm == 0.0 or not st.rel_norm < math.inf:  # ||shadow|| is not norm / rel_norm: computed apart
-        return st.norm, float(torch.linalg.vector_norm(shadow))
-    return st.norm, st.norm / st.rel_norm
+    if stats.norm == 0.0 or not stats.rel_norm < math.inf:  # ||shadow|| is not norm / rel_norm: computed apart
+        return stats.norm, float(torch.linalg.vector_norm(shadow))
+    return stats.norm, stats.norm / stats.rel_norm
 
 
 def _relative(engine: Engine, t: torch.Tensor) -> tuple[float | None, float | None]:

@@ -338,7 +338,7 @@ def add_into(b: torch.Tensor, t: Any, alpha: float = 1.0) -> torch.Tensor:
     """b + alpha * t, in place in b (a fresh tensor of the rule's own) where the shapes allow: bounds are as large
     as the outputs, and a fresh tensor that size costs more in page faults than the add (3x the add inside a
     training step of the LM-shaped benchmark)."""
-    # torch.broadcast_shapes costs 8-16 us: asked only where the shapes differ
+    # torch.broadcast_shapes costs more than the rest of the rule: asked only where the shapes differ
     if isinstance(t, torch.Tensor) and t.dim() and t.shape != b.shape \
             and torch.broadcast_shapes(b.shape, t.shape) != b.shape:
         return torch.add(b, t, alpha=alpha)

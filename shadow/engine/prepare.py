@@ -117,7 +117,7 @@ class InputShadows:
             mirror.note_write(entry)
         self.exact = self.exact and entry.exact
         self.tensors.append(t)
-        self.storages.add(entry.sptr)
+        self.storages.add(entry.shadow_storage)
         return mirror.view(t, entry)
 
 

@@ -70,7 +70,7 @@ class working_precision:  # a context manager named as a function: a class costs
     def __enter__(self) -> int:
         self._old = old = mpmath.mp.prec
         prec = self._bits + GUARD_BITS
-        if prec != old:  # nested at the same precision (a spot check's elements): setting it costs 0.4 us
+        if prec != old:  # nested at the same precision (a spot check's elements): setting it is not free
             mpmath.mp.prec = prec
         return prec
 

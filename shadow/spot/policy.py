@@ -212,46 +212,46 @@ class SpotPolicy:
 
     # --- decisions ---
     def _state(self, op_name: str) -> _OpState:
-        st = self._ops.get(op_name)
-        if st is None:  # the op's first call: whether it may be sampled, asked once
+        state = self._ops.get(op_name)
+        if state is None:  # the op's first call: whether it may be sampled, asked once
             op = _resolve(op_name)
             ref = reference_for(op) if isinstance(op, torch._ops.OpOverload) else None
-            st = self._ops[op_name] = _OpState(self.config.count_for(op_name) != 0 and ref is not None,
+            state = self._ops[op_name] = _OpState(self.config.count_for(op_name) != 0 and ref is not None,
                                                ref is not None and not ref.rounds_once)
-        return st
+        return state
 
     def wants(self, op_name: str) -> bool:
         """Whether this call of ``op_name`` gets samples (then snapshot the inputs an in-place op
         overwrites, and call ``check``). Deterministic: the op's call count decides, never a clock.
         Ops without a reference rule are never wanted (``check`` still explains them)."""
-        st = self._ops.get(op_name)
-        if st is None:
+        state = self._ops.get(op_name)
+        if state is None:
             if self.config.mode == "off":  # no call is ever checked: nothing to count
                 return False
-            st = self._state(op_name)
-        st.calls = n = st.calls + 1
-        if n == st.next:
-            st.next = self._after(st, op_name, n)
-        elif not st.escalate_left:
-            st.planned = None
+            state = self._state(op_name)
+        state.calls = n = state.calls + 1
+        if n == state.next:
+            state.next = self._after(state, op_name, n)
+        elif not state.escalate_left:
+            state.planned = None
             return False
-        st.planned = n
+        state.planned = n
         return True
 
-    def _after(self, st: _OpState, op_name: str, n: int) -> int:
+    def _after(self, state: _OpState, op_name: str, n: int) -> int:
         """The call of a sampled op after call ``n`` that gets samples unescalated: every call, except under
         ``spot_checks="default"`` past its first ``EVERY_CALL_FIRST``, the next one drawn (none, 0, for an op
         whose float64 kernel rounds once)."""
         config = self.config
         if config.mode != "default" or n < EVERY_CALL_FIRST:
             return n + 1
-        return next_drawn(config.seed, op_name, n, THEN_ONE_IN) if st.later else 0
+        return next_drawn(config.seed, op_name, n, THEN_ONE_IN) if state.later else 0
 
     def _escalation_budget(self) -> float:
         """The escalation budget: ``escalation_refill_us`` earned per op call seen since it was last read (the
         ops' call counts: nothing is paid per call), at most ``escalation_budget_us`` banked."""
         config = self.config
-        seen = sum(st.calls for st in self._ops.values())
+        seen = sum(state.calls for state in self._ops.values())
         self._budget = min(config.escalation_budget_us,
                            self._budget + config.escalation_refill_us * (seen - self._seen))
         self._seen = seen
@@ -278,9 +278,9 @@ class SpotPolicy:
         checked) and the checked elements.
         """
         name = str(func)
-        st = self._state(name)
-        call_no = st.planned if st.planned is not None else st.calls
-        st.planned = None
+        state = self._state(name)
+        call_no = state.planned if state.planned is not None else state.calls
+        state.planned = None
         n = self.config.count_for(name)
         if n == 0:
             return None, []
@@ -305,9 +305,9 @@ class SpotPolicy:
                                         f"this call's have {total}: give {name} a count instead"), []
             samples, why2 = check([(k, i) for k in outs for i in range(reference_outputs[k].numel())])
             return summarize(samples, why2 or why), samples
-        escalated = st.escalate_left > 0 and precision_bits(dtype) < 52
+        escalated = state.escalate_left > 0 and precision_bits(dtype) < 52
         if escalated:
-            st.escalate_left -= 1
+            state.escalate_left -= 1
         # default samples, within the per-call cap
         per_out = max(1, min(n, int(CALL_CAP_US // (cost * len(outs)))))
         chosen: dict[int, list[int]] = {}
@@ -318,7 +318,7 @@ class SpotPolicy:
         samples, why2 = check(elements)
         why = why2 or why
         if any(s.risky for s in samples):
-            st.escalate_left = ESCALATE_CALLS
+            state.escalate_left = ESCALATE_CALLS
             escalated = precision_bits(dtype) < 52
         if escalated:  # more elements of this call, paid from the escalation budget
             want = max(ESCALATED_SAMPLES, 8 * n) - per_out

@@ -139,16 +139,16 @@ def judge_sample(e: Exact, r: float, y: float, dtype: torch.dtype, output: int, 
     ref_ulp = _in_ulps(ref_abs, _spacing(e2, torch.float64))
     if not math.isfinite(y):  # the device's error is infinite: any finite reference is within 1% of it
         return Sample(output, index, xf, r, y, ref_ulp, math.nan, math.nan, c, True, False)
-    sd = _spacing(e2, dtype)
+    spacing = _spacing(e2, dtype)
     dev_abs = abs(y - xf) if held else _abs_diff(y, x)
-    tol = TRUST_RATIO * max(dev_abs, sd / 2)
+    tol = TRUST_RATIO * max(dev_abs, spacing / 2)
     trusted = ref_abs <= tol
     # float64's typical error here is 2**-53 * magnitude; escalate while RISK_FACTOR of them would not fit
     # in the tolerance (a device dtype as precise as float64 has no headroom to escalate over)
     raw = e.magnitude._mpf_
     mag = to_float(mpf_abs(raw)) if raw not in _NONFINITE else abs(xf)
     risky = not trusted or (precision_bits(dtype) < 52 and RISK_FACTOR * math.ldexp(mag, -53) > tol)
-    return Sample(output, index, xf, r, y, ref_ulp, _in_ulps(dev_abs, sd), dev_abs, c, trusted, risky)
+    return Sample(output, index, xf, r, y, ref_ulp, _in_ulps(dev_abs, spacing), dev_abs, c, trusted, risky)
 
 
 # --- the check of given elements ---
