@@ -43,7 +43,10 @@ from torch.utils.module_tracker import ModuleTracker
 from shadow import ShadowMode
 from shadow.metrics import precision_bits
 from shadow.options import Options
-from shadow.records import GC_UNTRACK
+try:
+    from shadow.records import GC_UNTRACK
+except ImportError:  # a tree from before the results side's layering (benchmarks/ab.py against it): report's
+    from shadow.report import _GC_UNTRACK as GC_UNTRACK
 from shadow.spot import EVERY_CALL_FIRST
 
 
