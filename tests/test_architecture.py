@@ -1,6 +1,6 @@
 """The package's import contract, read from its source (ast; nothing is imported): no import cycle among shadow's
-modules, no private name (``_x``) imported from another module, no private name of torch's ModuleTracker, the results side
-layered as docs/architecture.md draws it, and no module over MAX_LINES lines."""
+modules, no private name (``_x``) imported from another module, no private name of torch's ModuleTracker, the
+results side layered as docs/architecture.md draws it, and no module over MAX_LINES lines."""
 
 from __future__ import annotations
 
