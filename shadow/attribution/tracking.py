@@ -95,8 +95,8 @@ class Tracker:
 
     @property
     def is_bw(self) -> bool:
-        """Autograd's engine is running a backward (the module tracking or not: a loss's backward runs outside any
-        module)."""
+        """Autograd's engine is running a backward: asked of autograd, as no hook can tell (a backward's first calls,
+        the loss's, run before any module's backward starts)."""
         return _graph_task_id() != -1
 
     def name_of(self, module: torch.nn.Module) -> str | None:
