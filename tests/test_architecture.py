@@ -1,6 +1,6 @@
 """The package's import contract, read from its source (ast; nothing is imported): no import cycle among shadow's
-modules, no private name (``_x``) imported from another module, the results side layered as docs/architecture.md
-draws it, and no module over MAX_LINES lines."""
+modules, no private name (``_x``) imported from another module, no private name of torch's ModuleTracker, the
+results side layered as docs/architecture.md draws it, and no module over MAX_LINES lines."""
 
 from __future__ import annotations
 
@@ -159,3 +159,20 @@ def test_no_module_is_too_long():
     sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in MODULES.items()}
     over = [f"{name}: {n} lines" for name, n in sorted(sizes.items()) if n > MAX_LINES]
     assert not over, f"modules over {MAX_LINES} lines (split each along a real seam):\n" + "\n".join(over)
+
+
+# torch's ModuleTracker keeps its module stack in private methods and attributes that change between releases:
+# shadow tracks modules with hooks of its own (shadow.attribution.tracking.Tracker), through torch's public hooks
+MODULE_TRACKER_PRIVATE = ("_get_append_fn", "_get_pop_fn", "_fw_pre_hook", "_fw_post_hook", "_get_mod_name",
+                          "_known_modules", "_seen_modules", "_maybe_set_engine_callback", "_has_callback")
+
+
+def test_no_private_name_of_torchs_module_tracker_is_used():
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            used = node.attr if isinstance(node, ast.Attribute) else node.name if isinstance(node, ast.FunctionDef) \
+                else node.id if isinstance(node, ast.Name) else node.value if isinstance(node, ast.Constant) else None
+            if used in MODULE_TRACKER_PRIVATE:
+                found.append(f"{name}:{node.lineno} {used}")
+    assert not found, "use torch's public hooks, or shadow's Tracker:\n" + "\n".join(found)

@@ -113,6 +113,118 @@ def test_gradient_hooks_do_not_pile_up_over_steps():
     assert _modules(sm, "aten.mm.default", "backward") == ["Sequential.2", "Sequential.2", "Sequential.0"] * 5
 
 
+# --- the module stack: torch's ModuleTracker's names; leaf inputs; the stack after a backward ---
+class _Block(nn.Module):
+    def __init__(self, shared: nn.Module):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.shared = shared  # the same module under two parents: named by the last parent that names it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.relu(self.fc(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([_Block(self.proj), _Block(nn.Identity())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.proj(x)
+
+
+def _stacks(tracker, run) -> list[tuple[str, frozenset[str]]]:
+    """``tracker.parents`` (read through its public surface only) as each module's forward starts and ends."""
+    seen = []
+    handles = [nn.modules.module.register_module_forward_pre_hook(
+                   lambda m, a: seen.append((type(m).__name__, frozenset(tracker.parents)))),
+               nn.modules.module.register_module_forward_hook(
+                   lambda m, a, o: seen.append((type(m).__name__, frozenset(tracker.parents))))]
+    try:
+        with tracker:  # entered after the hooks above: its own run first
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_module_names_are_torch_module_trackers():
+    """The forward's module stack, name by name, as torch's ModuleTracker keeps it: dotted paths from the outermost
+    module that ran; a module not under one that ran by its class name ("Linear"); a block run alone before its
+    model keeps the names its own run gave its submodules ("_Block.fc"), a module under two parents one name (the
+    last found: "_Net.proj", also while blocks.0 calls it)."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    from shadow.attribution.tracking import Tracker
+
+    def run(net, lone):
+        x = torch.randn(2, 4)
+        lone(x)
+        net.blocks[0](x)
+        net(x)
+        net(x)
+
+    torch.manual_seed(0)
+    net, lone = _Net(), nn.Linear(4, 4)
+    with torch.no_grad():
+        want = _stacks(ModuleTracker(), lambda: run(net, lone))
+        got = _stacks(Tracker(), lambda: run(net, lone))
+    assert got == want
+    names = set().union(*(s for _, s in got))
+    assert {"Linear", "_Block.fc", "_Net.blocks.1.fc", "_Net.proj"} <= names
+    assert ("Linear", frozenset({"Global", "_Net", "_Net.blocks.0", "_Net.proj"})) in got
+
+
+def test_innermost_and_parents_follow_forward_and_backward():
+    """``innermost`` is the deepest running module at every op (read here in a module's forward and in its
+    backward); after a backward, no module is left entered."""
+    from shadow.attribution.tracking import Tracker
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", tracker.innermost, set(tracker.parents)))
+            return g
+
+    class Inner(nn.Module):
+        def forward(self, x):
+            seen.append(("forward", tracker.innermost, set(tracker.parents)))
+            return Probe.apply(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(Inner()), nn.Linear(4, 1))
+    with Tracker() as tracker:
+        model(torch.randn(2, 4)).sum().backward()
+        after = (tracker.innermost, set(tracker.parents), tracker.is_bw)
+    inside = {"Global", "Sequential", "Sequential.1", "Sequential.1.0"}
+    assert seen == [("forward", "Sequential.1.0", inside), ("backward", "Sequential.1.0", inside)]
+    assert after == ("", {"Global"}, False)
+
+
+def test_autograd_grad_of_a_leaf_input_runs_under_shadow():
+    """``torch.autograd.grad(loss, x)`` with x a leaf the model takes: a gradient hook on x would make autograd raise
+    ("A leaf node was passed to _will_engine_execute_node", pytorch/pytorch#131753); the gradient is the plain
+    run's, bit for bit, and the backward is charged to the model's modules."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(5, 4, requires_grad=True)
+    (want,) = torch.autograd.grad(model(x).sum(), x)
+    with ShadowMode(spot_checks="off") as sm:
+        (got,) = torch.autograd.grad(model(x).sum(), x)
+    assert torch.equal(got, want)
+    # grad of the last Linear's input, then of the first's (the only gradient asked for: no weight gradients)
+    assert _modules(sm, "aten.mm.default", "backward") == ["Sequential.2", "Sequential.0"]
+
+
 # --- optimizer steps: each op charged to the parameter it updates ---
 def _training(opt_name: str, impl: str, groups: bool = False, steps: int = 2) -> tuple[ShadowMode, list[str]]:
     """Two steps of Sequential(Linear, ReLU, Linear); ``groups``: each Linear's parameters in a group of their

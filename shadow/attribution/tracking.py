@@ -1,11 +1,11 @@
 """Which module, phase and line of the user's code each op call belongs to.
 
-Modules and forward/backward come from ``torch.utils.module_tracker.ModuleTracker`` (``Tracker``: pass-through
-modules and leaf inputs handled); the optimizer phase from the optimizer step hooks, where parameter (and
-gradient, optimizer state) storages are mapped to the parameter's dotted name so optimizer ops are charged to
-it; each op of a step (``where``, from all of its arguments and its outputs) names its fresh outputs too. Call
-sites (``_Callsites``) are the first frame outside torch and shadow; a backward op takes the call site of the
-forward op whose autograd node runs it.
+Modules and forward/backward come from ``Tracker``, hooks of shadow's own on every module and on the autograd graph
+(modules named as ``torch.utils.module_tracker.ModuleTracker`` names them; pass-through modules and leaf inputs
+handled); the optimizer phase from the optimizer step hooks, where parameter (and gradient, optimizer state)
+storages are mapped to the parameter's dotted name so optimizer ops are charged to it; each op of a step (``where``,
+from all of its arguments and its outputs) names its fresh outputs too. Call sites (``_Callsites``) are the first
+frame outside torch and shadow; a backward op takes the call site of the forward op whose autograd node runs it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten
-from torch.utils.module_tracker import ModuleTracker
 
 from ..plan import ArgType, flat_returns, plan_of
 from ..records import Phase
@@ -28,121 +28,158 @@ from ..records import Phase
 # frames in these directories are not the user's: the first frame outside them is an op's call site
 _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
 _NODE_KEY = "shadow.callsite"  # the key under which a forward op's call site is kept in its autograd node
+_graph_task_id = torch._C._current_graph_task_id  # the running backward's id, -1 outside any backward
+# the phases ``where`` returns at every op, as module globals: an Enum member's lookup on its class is slower
+_FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER
 
 
-class Tracker(ModuleTracker):
-    """ModuleTracker with three changes to its backward hooks.
+class Tracker:
+    """The modules whose forward or backward is running (``parents``, ``innermost``) and whether autograd's
+    backward runs (``is_bw``), kept by hooks of its own while entered: forward pre- and post-hooks on every module
+    (``register_module_forward_pre_hook``, ``register_module_forward_hook``), gradient hooks on a call's outputs (its
+    backward starts) and inputs (its backward ends: ``register_multi_grad_hook``), and a callback at the end of each
+    backward (``queue_callback`` on autograd's engine), which empties ``parents``: the backward exits of modules that
+    never fire one (below) do not outlive their backward.
 
-    A module's backward exit is hooked on its non-leaf inputs only: torch's own hooks leaf inputs too, and
-    ``torch.autograd.grad`` with such a leaf then raises into the user's program ("A leaf node was passed to
-    _will_engine_execute_node", pytorch/pytorch#131753). Cost: a module whose inputs are all leaves stays among
-    ``parents`` until the engine's end-of-backward callback clears them.
+    >>> with Tracker() as tracker:
+    ...     model(x).sum().backward()   # inside: tracker.parents == {"Global", "Net", "Net.fc1"}  # doctest: +SKIP
 
-    A pass-through (``nn.Identity``, ``nn.Dropout(p=0)``, a residual's skip) returns its input's own autograd
-    edge: torch hooks its backward exit and entry on that one edge, where both fire at once, exit first, so the
-    module was entered and never left, and every backward op upstream was charged to it. Here an output is
-    hooked only where its edge is not an input's, and a module with no such output has no backward at all:
-    its exit hook is removed.
+    Names are ``torch.utils.module_tracker.ModuleTracker``'s: a module is named when it first runs, by the name its
+    parent's first run gave it, else (no parent of it ran) by its class name ("Net"), and its submodules after it by
+    their dotted path from it ("Net.fc1", "Net.blocks.0.attn"); a module found under two parents keeps the name of
+    the last found. ``torch.compile(model)`` is named as the model it compiles, and the model's modules as in an
+    eager run ("Block.up", not "OptimizedModule._orig_mod.up").
 
-    Every gradient hook is removed, never only forgotten: torch's multi-grad hook keeps the autograd nodes it
-    watches in its own closure, which those nodes hold, a cycle through C++ that Python's collector cannot
-    see. A hook left registered keeps its nodes alive, and through ``fn`` this tracker, its ShadowMode and every
-    shadow (a dropped ShadowMode of a 4-layer MLP kept its 0.18 GB). A hook that fired is removed at the next
-    forward (the backward that fired it is over then) or on exit; one that never fired, on exit."""
+    A module's backward exit is hooked on its non-leaf inputs only: a hook on a leaf makes ``torch.autograd.grad``
+    with that leaf raise into the user's program ("A leaf node was passed to _will_engine_execute_node",
+    pytorch/pytorch#131753). A module whose inputs are all leaves stays among ``parents`` until its backward ends.
 
-    on_compiled: Callable[[str, torch.nn.Module], None] | None = None  # a compiled module about to run: its name
+    A pass-through (``nn.Identity``, ``nn.Dropout(p=0)``, a residual's skip) returns its input's own autograd edge:
+    hooks of its backward's entry and exit on that one edge fire at once, exit first, so the module would be entered
+    and never left, and every backward op upstream charged to it. An output is hooked only where its edge is not an
+    input's, and a module with no such output has no backward at all: its exit hook is removed.
+
+    Every gradient hook is removed, never only forgotten: a multi-grad hook keeps the autograd nodes it watches in
+    its own closure, which those nodes hold, a cycle through C++ that Python's collector cannot see. A hook left
+    registered keeps its nodes alive, and through its callback this tracker, its ShadowMode and every shadow (a
+    dropped ShadowMode of a 4-layer MLP kept its 0.18 GB). A hook that fired is removed at the next forward (the
+    backward that fired it is over then) or on exit; one that never fired, on exit."""
 
     def __init__(self) -> None:
-        self._innermost: str | None = None  # the innermost of ``parents`` (None: to compute), asked at every op
-        super().__init__()
+        self.parents: set[str] = {"Global"}  # the running modules' names, and "Global" (outside any module too)
+        self.innermost = ""  # the innermost of ``parents`` ("" outside any module): both read at every op
+        self.on_compiled: Callable[[str, torch.nn.Module], None] | None = None  # a compiled module about to run
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its dotted name
+        self._named: weakref.WeakSet = weakref.WeakSet()  # modules whose submodules are named after them
         # module -> per running call (nested calls stack): its exit hook and its inputs' autograd edges
         self._calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._waiting: dict[int, Any] = {}  # key -> handle of a gradient hook that has not fired
         self._keys = itertools.count()
         self._fired: list = []  # handles of hooks that fired, removed at the next forward or on exit
+        self._backward_end_queued = False
+        self._handles: list = []  # the global module hooks
 
-    def __exit__(self, *args) -> None:
-        super().__exit__(*args)
+    def __enter__(self) -> Tracker:
+        self._handles = [register_module_forward_pre_hook(self._forward_pre),
+                         register_module_forward_hook(self._forward)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self._remove_fired()
         for h in self._waiting.values():
             h.remove()
         self._waiting.clear()
 
-    # ``parents`` changes only through these: ModuleTracker assigns a new set (its end-of-backward callback) or
-    # adds and removes names in the functions below; each change forgets the innermost module
     @property
-    def parents(self) -> set[str]:
-        return self._parents
+    def is_bw(self) -> bool:
+        """Autograd's engine is running a backward: asked of autograd, as no hook can tell (a backward's first calls,
+        the loss's, run before any module's backward starts)."""
+        return _graph_task_id() != -1
 
-    @parents.setter
-    def parents(self, value: set[str]) -> None:
-        self._parents = value
-        self._innermost = None
+    def name_of(self, module: torch.nn.Module) -> str | None:
+        """The dotted name of a module that ran or lies under one that ran (None: neither)."""
+        return self._names.get(module)
 
-    @property
-    def innermost(self) -> str:
-        """The innermost running module ("" outside any)."""
-        if self._innermost is None:
-            self._innermost = innermost_of(self._parents)
-        return self._innermost
+    def names(self) -> list[tuple[torch.nn.Module, str]]:
+        """(module, dotted name) of every module that ran or lies under one that ran."""
+        return list(self._names.items())
 
-    def _get_mod_name(self, mod: torch.nn.Module) -> str:
-        # torch.compile(model): the OptimizedModule is named as the model it compiles, and the model's modules
-        # and parameters as in an eager run ("Block.up.weight", not "OptimizedModule._orig_mod.up.weight")
-        orig = getattr(mod, "_orig_mod", None)
-        if not isinstance(orig, torch.nn.Module):
-            return super()._get_mod_name(mod)
-        if mod not in self._seen_modules:
-            name = self._known_modules.get(mod) or self._known_modules.get(orig) or type(orig).__name__
-            self._known_modules[mod] = self._known_modules[orig] = name
-            self._seen_modules.add(mod)
-        return super()._get_mod_name(orig)
+    def _name(self, mod: torch.nn.Module) -> str:
+        """A module's name, naming it and its submodules at its first run (class docstring)."""
+        orig = getattr(mod, "_orig_mod", None)  # torch.compile(model): an OptimizedModule
+        if isinstance(orig, torch.nn.Module):
+            if mod not in self._named:
+                name = self._names.get(mod) or self._names.get(orig) or type(orig).__name__
+                self._names[mod] = self._names[orig] = name
+                self._named.add(mod)
+            mod = orig
+        name = self._names.get(mod)
+        if name is None:
+            name = self._names[mod] = type(mod).__name__
+        if mod not in self._named:
+            self._named.add(mod)
+            for child_name, child in mod.named_children():
+                self._names[child] = f"{name}.{child_name}"
+                self._name(child)
+        return name
 
-    def _get_append_fn(self, name: str, is_bw: bool) -> Callable:
-        return self._forgetting(super()._get_append_fn(name, is_bw))
+    def _enter(self, name: str) -> None:
+        self.parents.add(name)
+        innermost = self.innermost
+        if name != "Global" and (not innermost or (name.count("."), name) > (innermost.count("."), innermost)):
+            self.innermost = name
 
-    def _get_pop_fn(self, name: str, is_bw: bool) -> Callable:
-        return self._forgetting(super()._get_pop_fn(name, is_bw))
+    def _leave(self, name: str) -> None:
+        self.parents.discard(name)
+        if name == self.innermost:
+            self.innermost = _innermost_of(self.parents)
 
-    def _forgetting(self, fn: Callable) -> Callable:
-        def changed(*args) -> None:
-            fn(*args)
-            self._innermost = None
+    def _enter_backward(self, name: str) -> None:
+        if not self._backward_end_queued:  # one backward at a time, as ModuleTracker assumes
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._backward_end_queued = True
+        self._enter(name)
 
-        return changed
+    def _backward_ended(self) -> None:
+        self.parents = {"Global"}
+        self.innermost = ""
+        self._backward_end_queued = False
 
     def _remove_fired(self) -> None:
         for h in self._fired:
             h.remove()
         self._fired.clear()
 
-    def _fw_pre_hook(self, mod, input) -> None:
+    def _forward_pre(self, mod: torch.nn.Module, args: Any) -> None:
         if compiling():  # a compiled module's modules run while torch.compile traces them: not the program's calls
             return
         if self._fired:
             self._remove_fired()
-        name = self._get_mod_name(mod)
+        name = self._name(mod)
         if self.on_compiled is not None and _compiled(mod):
             self.on_compiled(name, mod)
-        self._get_append_fn(name, False)()
-        inputs = _needing_grad(input)
-        exit_hook = self._hook([a for a in inputs if a.grad_fn is not None], self._get_pop_fn(name, True))
+        self._enter(name)
+        inputs = _needing_grad(args)
+        exit_hook = self._hook([a for a in inputs if a.grad_fn is not None], lambda: self._leave(name))
         self._calls.setdefault(mod, []).append((exit_hook, {_edge(a) for a in inputs}))
 
-    def _fw_post_hook(self, mod, input, output) -> None:
+    def _forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
         if compiling():
             return
-        name = self._get_mod_name(mod)
-        self._get_pop_fn(name, False)()
+        name = self._name(mod)
+        self._leave(name)
         calls = self._calls.get(mod)  # none: the tracker was entered during this module's forward
         exit_hook, inputs = calls.pop() if calls else (None, set())
         fresh = [a for a in _needing_grad(output) if _edge(a) not in inputs]
-        if self._hook(fresh, self._get_append_fn(name, True)) is None and exit_hook is not None:
+        if self._hook(fresh, lambda: self._enter_backward(name)) is None and exit_hook is not None:
             handle = self._waiting.pop(exit_hook, None)
             if handle is not None:
                 handle.remove()
 
-    def _hook(self, tensors: list[torch.Tensor], fn: Callable) -> int | None:
+    def _hook(self, tensors: list[torch.Tensor], fn: Callable[[], None]) -> int | None:
         """``fn`` once the gradients of ``tensors`` are computed; the hook's key in ``_waiting`` (None: no
         tensors, no hook). Its handle waits there until it fires, then in ``_fired`` until it is removed
         (class docstring)."""
@@ -151,7 +188,7 @@ class Tracker(ModuleTracker):
         key = next(self._keys)
 
         def fire(grads: Any) -> None:
-            fn(grads)
+            fn()
             handle = self._waiting.pop(key, None)
             if handle is not None:
                 self._fired.append(handle)
@@ -183,7 +220,7 @@ def _compiled(mod: torch.nn.Module) -> bool:
     return (optimized is not None and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None) is not None
 
 
-def innermost_of(parents: set[str]) -> str:
+def _innermost_of(parents: set[str]) -> str:
     names = [p for p in parents if p != "Global"]
     if not names:
         return ""
@@ -419,13 +456,13 @@ class Attribution:
 
     def module_names(self, modules: tuple[torch.nn.Module, ...]) -> list[str]:
         """The dotted names of ``modules`` that ran a forward so far."""
-        known = getattr(self._tracker, "_known_modules", {})
-        return [known[m] for m in modules if m in known]
+        names = [self._tracker.name_of(m) for m in modules]
+        return [n for n in names if n is not None]
 
     def parameter_names(self) -> dict[int, str]:
         """id(parameter) -> its dotted name ("Net.fc1.weight"), for the modules that ran a forward."""
         names: dict[int, str] = {}
-        for mod, fqn in list(getattr(self._tracker, "_known_modules", {}).items()):
+        for mod, fqn in self._tracker.names():
             for pname, p in mod.named_parameters(recurse=False):
                 names.setdefault(id(p), f"{fqn}.{pname}")
         return names
@@ -444,15 +481,15 @@ class Attribution:
                 self._steps.call(func, args, kwargs, out)
             except Exception:  # never raise into the user's program: the call keeps the fallback name
                 pass
-            return self._steps.current, Phase.OPTIMIZER, sites.here(skip) if sites is not None else ""
+            return self._steps.current, _OPTIMIZER, sites.here(skip) if sites is not None else ""
         module = self._tracker.innermost
-        if torch._C._current_graph_task_id() != -1:
-            return module, Phase.BACKWARD, sites.backward() if sites is not None else ""
+        if _graph_task_id() != -1:
+            return module, _BACKWARD, sites.backward() if sites is not None else ""
         if sites is None:
-            return module, (Phase.FORWARD if module else Phase.OTHER), ""
+            return module, (_FORWARD if module else _OTHER), ""
         site = sites.here(skip)
         if inputs is None or sites.on_bind is not None or (torch.is_grad_enabled() and _any_requires_grad(inputs)):
             sites.forward(out, site, index)
         else:
             sites.bind()  # the last forward call's outputs have their nodes by now; this one's will have none
-        return module, (Phase.FORWARD if module else Phase.OTHER), site
+        return module, (_FORWARD if module else _OTHER), site

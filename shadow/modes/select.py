@@ -12,7 +12,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..attribution.tracking import Tracker, innermost_of
+from ..attribution.tracking import Tracker
 from ..errors import ShadowOptionError
 from ..plan import plan_of
 from .emulate import Emulation, computes, overloads, require_outside_shadow
@@ -63,9 +63,9 @@ class Selection:
             return False
         if self.module is None:
             return True
-        name = self.module if isinstance(self.module, str) else self._tracker._known_modules.get(self.module)
-        parents = self._tracker.parents
-        return innermost_of(parents) == name if self._innermost else name in parents
+        tracker = self._tracker
+        name = self.module if isinstance(self.module, str) else tracker.name_of(self.module)
+        return tracker.innermost == name if self._innermost else name in tracker.parents
 
 
 class Selecting(TorchDispatchMode):
