@@ -187,6 +187,7 @@ def base_name(op_name: str) -> str:
     return op_name[:-1] if op_name.endswith("_") and not op_name.endswith("__") else op_name
 
 
+@functools.cache
 def plan_of(func: torch._ops.OpOverload) -> OpPlan:
     """The plan of an op overload (built once)."""
     schema = func._schema

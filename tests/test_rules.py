@@ -85,7 +85,8 @@ def test_the_plan_binds_by_schema_name_with_defaults():
     assert args[0] is c and kwargs == {"alpha": 3}
     assert (plan.name, plan.op_name, plan.base) == ("aten.addmm.default", "addmm", "addmm")
     assert (plan_of(aten.addmm_.default).base, plan_of(aten.__and__.Tensor).base) == ("addmm", "__and__")
-    # the schema is read once per op: a list default is a copy each time, so a rule that edits it edits its own
+    assert plan_of(aten.addmm.default) is plan  # the schema is read once per op (budgets ask at every call)
+    # a list default is a copy each time, so a rule that edits it edits its own
     x = torch.ones(1, 1, 3, 3)
     pool = plan_of(aten.max_pool2d.default)
     stride = pool.arg((x, [2, 2]), {}, "stride")
