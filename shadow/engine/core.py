@@ -60,7 +60,7 @@ class Skip(enum.Enum):
 
 class Engine:
     """The per-op path behind ShadowMode (docs/architecture.md): ``dispatch`` prepares a call, lets the device run
-    it, and concludes it (``shadow.engine.conclude``). Ground rules (README): the device's computation is never
+    it, and concludes it (``shadow.engine.conclude``). Its ground rules: the device's computation is never
     changed (shadow only reads device tensors and works on its own copies with Python dispatch disabled, so no mode
     below sees it); no op it cannot replay and no error of its own ever reaches the user's program; every op is seen
     and recorded."""
