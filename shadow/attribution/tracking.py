@@ -129,7 +129,7 @@ class Tracker:
     def _enter(self, name: str) -> None:
         self.parents.add(name)
         innermost = self.innermost
-        if name != "Global" and (not innermost or (name.count("."), name) > (innermost.count("."), innermost)):
+        if name != "Global" and (not innermost or _depth(name) > _depth(innermost)):
             self.innermost = name
 
     def _leave(self, name: str) -> None:
@@ -220,11 +220,14 @@ def _compiled(mod: torch.nn.Module) -> bool:
     return (optimized is not None and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None) is not None
 
 
+def _depth(name: str) -> tuple[int, str]:
+    """How deep a module's dotted name lies (the innermost running module is the deepest; names break ties)."""
+    return name.count("."), name
+
+
 def _innermost_of(parents: set[str]) -> str:
     names = [p for p in parents if p != "Global"]
-    if not names:
-        return ""
-    return max(names, key=lambda s: (s.count("."), s))
+    return max(names, key=_depth) if names else ""
 
 
 def _common_prefix(names: list[str]) -> str:
