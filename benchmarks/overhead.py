@@ -550,6 +550,8 @@ def main() -> None:
                          "every core (thread oversubscription)")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--per-op", action="store_true", help="only the per-op figures, as JSON on the last line")
+    ap.add_argument("--models-only", action="store_true",
+                    help="only the models' figures (no per-op or per-call runs), as JSON on the last line")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="per-op timing: wall (median of --reps chains) or thread (CPU only: the least CPU time of "
                          "this thread over --reps rounds; for a machine other processes share)")
@@ -567,6 +569,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {args.device} ({dev_name}), {torch.get_num_threads()} threads, "
           f"shadow_device={args.shadow_device!r}: shadows and replays on {replay}")
     rows = [bench_model(name, args.device, args.reps, args.shadow_device) for name in args.models]
+    if args.models_only:
+        print(json.dumps({r["model"]: r for r in rows}))
+        return
     for r in rows:
         print(
             f"{r['model']:<30} native {r['native_ms']:8.1f} ms  f64 {r['f64_ms']:8.1f} ms  "
