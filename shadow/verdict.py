@@ -442,7 +442,8 @@ def conclude(report: ReportData) -> Verdict:
                      "the coverage): a bug in shadow, please report it")
     if cov.unobserved_writes:
         notes.append(f"{cov.unobserved_writes} writes shadow did not see (ops run outside the ShadowMode block, with "
-                     "torch dispatch disabled, or on another thread): resynced from the device, so drift restarts there")
+                     "torch dispatch disabled, or on another thread): resynced from the device, so drift restarts "
+                     "there")
     if report.dropped_records:
         notes.append(f"per-call records capped at {report.max_records}: the {report.dropped_records} later calls are "
                      "in the tables, not in the records")
