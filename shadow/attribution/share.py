@@ -16,11 +16,6 @@ that add up over every key, with ``residual``, to 1:
   only method for targets an optimizer step computes (parameters after it). State is restored between runs
   (``shadow.attribution.state``).
 
-Both methods leave the user's objects as they found them: the modules' parameters and buffers, the optimizers'
-state and torch's generators are put back after the last run (``StepState.as_found``), so that attributing a step
-takes no optimizer step. By module, a key is a module's own calls (its submodules' are theirs): keys are disjoint,
-so that shares add up; a row of a model is the calls it runs itself (the loss, in Hugging Face models).
-
   The replacement happens in the shadow, never on the device: each run is a float64 world in which every other
   call makes exactly the error the device made in it (its shadow plus the device's error on its own inputs, so
   that with no call changed the world is the device's trajectory), and the key's calls make only the error of
@@ -30,6 +25,11 @@ so that shares add up; a row of a model is the calls it runs itself (the loss, i
   +-200 % for ops with 1 % of it). Held fixed, the worlds agree with the linear method to first order and add
   what it leaves out: the nonlinear propagation, the calls without autograd node (dropout's mask scaled by
   1/(1-p), autocast's casts of the inputs), and the backward and optimizer calls.
+
+Both methods leave the user's objects as they found them: the modules' parameters and buffers, the optimizers'
+state and torch's generators are put back after the last run (``StepState.as_found``), so that attributing a step
+takes no optimizer step. By module, a key is a module's own calls (its submodules' are theirs): keys are disjoint,
+so that shares add up; a row of a model is the calls it runs itself (the loss, in Hugging Face models).
 
 ``residual`` = 1 - shares - rounding shares: what neither explains (second-order effects; ops outside the
 coverage; calls left out). A value non-finite in the float64 world too (a mask's -inf) carries no error; a share
@@ -60,9 +60,9 @@ _own = torch._C._DisableTorchDispatch
 BY = ("op", "module", "callsite")
 # what a row is, the table's first line: keys are disjoint, so that shares add up (a module's row is not its subtree)
 _ROWS = {"op": "rows: every call of one op overload",
-        "module": "rows: a module's own calls, not its submodules' (disjoint rows: the shares and the residual add "
-                  "up to 1)",
-        "callsite": "rows: the calls made from one line of code"}
+         "module": "rows: a module's own calls, not its submodules' (disjoint rows: the shares and the residual "
+                   "add up to 1)",
+         "callsite": "rows: the calls made from one line of code"}
 METHODS = ("linear", "ablation")
 # an error beyond rounding: more than half an ulp (with room for the reference's own last bit)
 _ROUNDED_ULP = 0.5 + 1e-6
