@@ -445,7 +445,8 @@ class Mirror:
 
     def unobserved_write(self, t: torch.Tensor, e: _Entry) -> bool:
         """Whether t's version counter moved more than the writes seen on its storage since t was last
-        seen (checked lazily: the counter is bumped after ``__torch_dispatch__`` returns)."""
+        seen (checked lazily: the counter is bumped after ``__torch_dispatch__`` returns, so a call notes its
+        writes after checking its arguments: ``shadow.engine.prepare.InputShadows``)."""
         try:
             version = t._version
         except RuntimeError:  # inference tensors have no version counter

@@ -441,8 +441,9 @@ def conclude(report: ReportData) -> Verdict:
         notes.append(f"{cov.internal_errors} internal errors of shadow (their ops adopted from the device, listed in "
                      "the coverage): a bug in shadow, please report it")
     if cov.unobserved_writes:
-        notes.append(f"{cov.unobserved_writes} writes shadow did not see (through numpy or DLPack): resynced from "
-                     "the device, so drift restarts there")
+        notes.append(f"{cov.unobserved_writes} writes shadow did not see (ops run outside the ShadowMode block, with "
+                     "torch dispatch disabled, or on another thread): resynced from the device, so drift restarts "
+                     "there")
     if report.dropped_records:
         notes.append(f"per-call records capped at {report.max_records}: the {report.dropped_records} later calls are "
                      "in the tables, not in the records")

@@ -146,35 +146,60 @@ def test_unperturbed_bf16_step_both_methods_agree_on_the_top_three():
 
 
 # --- what the methods cover, and the step's state ---
-def test_ablation_leaves_the_users_objects_as_after_one_step_and_the_device_untouched():
+def _snapshot(net: nn.Module, opt: torch.optim.Optimizer) -> tuple:
+    return copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state()
+
+
+def _assert_same_state(net: nn.Module, opt: torch.optim.Optimizer, expected: tuple) -> None:
+    """Parameters, buffers, optimizer state and torch's generator bit for bit as ``expected`` (``_snapshot``)."""
+    got = _snapshot(net, opt)
+    assert got[0].keys() == expected[0].keys()
+    for k, v in expected[0].items():  # parameters and buffers (running stats, batches tracked)
+        assert torch.equal(got[0][k], v), k
+    assert got[1]["param_groups"] == expected[1]["param_groups"]
+    assert got[1]["state"].keys() == expected[1]["state"].keys()
+    for i, state in expected[1]["state"].items():
+        assert state.keys() == got[1]["state"][i].keys()
+        for name, v in state.items():
+            assert torch.equal(got[1]["state"][i][name], v), (i, name)
+    assert torch.equal(got[2], expected[2])
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["first step", "after a step"])
+def test_attribute_and_audit_leave_the_users_objects_as_found_and_the_device_untouched(started):
+    """Each runs the step (ablation and the audit several times), each run taking a real optimizer step: after
+    them the model, the optimizer and torch's generator are as before (no step taken), and the step then made
+    by hand is the ordinary step's, bit for bit: the device computed as usual in every run."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 1))
     x, y = torch.randn(64, 16), torch.randn(64, 1)
     opt = torch.optim.AdamW(net.parameters(), 1e-2)
     step = one_step(net, opt, x, y, F.mse_loss)
-
-    start = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), torch.get_rng_state()
+    if started:  # the optimizer holds state already
+        step()
+    start = _snapshot(net, opt)
     with FaultMode(rel=1e-3, op="gelu"):  # the "device": one ordinary step, without shadow
         step()
-    expected = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()),
-                [p.grad.clone() for p in net.parameters()], torch.get_rng_state())
+    expected = _snapshot(net, opt)
     net.load_state_dict(start[0])
-    opt.load_state_dict(start[1])
+    opt.load_state_dict(copy.deepcopy(start[1]))
     torch.set_rng_state(start[2])
     with FaultMode(rel=1e-3, op="gelu"):
-        res = shadow.attribute(step, method="ablation", by="module")
-    assert res.runs >= 3 and res.rows[0].key == "Sequential.3"
-    # bit for bit as after the ordinary step: the device computed as usual in every run, and the state of the
-    # last one was put back to the first's end (parameters, buffers, gradients, optimizer state, generator)
-    for k, v in expected[0].items():  # parameters and buffers (running stats, batches tracked)
-        assert torch.equal(net.state_dict()[k], v), k
-    got = opt.state_dict()
-    assert got["param_groups"] == expected[1]["param_groups"]
-    for i, state in expected[1]["state"].items():
-        for name, v in state.items():
-            assert torch.equal(got["state"][i][name], v), (i, name)
-    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), expected[2]))
-    assert torch.equal(torch.get_rng_state(), expected[3])
+        linear = shadow.attribute(step, method="linear", by="module")
+        _assert_same_state(net, opt, start)
+        ablation = shadow.attribute(step, method="ablation", by="module")
+        _assert_same_state(net, opt, start)
+        aud = shadow.audit(step, precisions=("bf16",), verify=2)
+        _assert_same_state(net, opt, start)
+        step()
+    assert linear.rows[0].key == "Sequential.3" and ablation.runs >= 3 and ablation.rows[0].key == "Sequential.3"
+    assert aud.runs == 3
+    _assert_same_state(net, opt, expected)
+    # by module, attribute's rows are disjoint (a module's own calls), the audit's a module's subtree: said first
+    assert linear.table().splitlines()[0].startswith("rows: a module's own calls, not its submodules'")
+    assert aud.table().splitlines()[0] == "rows: a module with its submodules (a parent includes its children)"
+    own = {k: a.calls for k, a in linear.report.by_module.items()}  # the report's by_module: each module's own calls
+    assert all(own[r.key] == r.calls for r in linear.rows)
 
 
 def test_parameters_after_the_optimizer_step_need_ablation():
@@ -214,7 +239,8 @@ def test_linear_runs_the_backward_itself_and_reads_through_a_loss_scale():
     for key, value in shares[1].items():  # the forward's op classes (the others have no share of the loss)
         assert shares[0][key] == pytest.approx(value, abs=1e-9) and shares[2][key] == pytest.approx(value, abs=1e-9)
     assert all(shares[0].get(k, 0.0) == 0.0 for k in set(shares[0]) - set(shares[1]))
-    assert runs[0].rows[0].key == "aten.tanh.default" and net.fc1.weight.grad is not None
+    assert runs[0].rows[0].key == "aten.tanh.default"
+    assert net.fc1.weight.grad is None  # as found: the steps' backward ran, their gradients were put back to none
 
 
 def test_a_vector_target_is_projected_on_its_drift():

@@ -57,9 +57,11 @@ def _setup(seed: int = 0):
 @pytest.fixture(scope="module")
 def audited():
     model, opt, step = _setup()
+    rng = torch.get_rng_state()
     start = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     # every part verified; rows of each module's own calls (tests/test_answers_audit.py holds the module tree's)
     aud = shadow.audit(step, precisions=("bf16", "fp16", "tf32", "fp8"), verify=100, own=True)
+    start += (rng, torch.get_rng_state())  # the generator before and after the audit (other tests draw from it)
     return model, opt, step, start, aud
 
 
@@ -142,14 +144,17 @@ def test_tf32_and_fp8_touch_only_the_matmuls(audited):
     assert "Model.norm" in text and "fp8" in text and text.count("\n") >= len({r.key for r in aud.rows}) + 2
 
 
-def test_the_audit_leaves_the_users_objects_as_after_one_step(audited):
-    model, opt, step, start, _ = audited
-    after = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    model.load_state_dict(start[0])
-    opt.load_state_dict(copy.deepcopy(start[1]))
-    step()
+def test_the_audit_leaves_the_users_objects_as_found(audited):
+    """Its runs each took an optimizer step: parameters, buffers, the optimizer's state and torch's generator are
+    put back as before the audit, bit for bit (the audit takes no step)."""
+    model, opt, _, start, aud = audited
+    assert aud.runs > 1
+    assert model.state_dict().keys() == start[0].keys()
     for k, v in model.state_dict().items():
-        assert torch.equal(after[0][k], v), k
+        assert torch.equal(start[0][k], v), k
+    assert opt.state_dict() == start[1]  # before its first step: no state
+    assert torch.equal(start[3], start[2])
+    assert aud.table().splitlines()[0] == "rows: a module's own calls, not its submodules'"  # own=True
 
 
 def test_a_plan_keeps_the_measured_change_within_its_tolerance(audited, tmp_path):

@@ -135,6 +135,49 @@ def test_run_a_script_that_raises_shows_its_own_traceback_and_writes_the_report(
     assert rep.by_op["aten.mm.default"].calls == 1 and rep.meta["run"]["exit_status"] == 1
 
 
+ARGPARSE_SCRIPT = """\
+    import argparse
+    import sys
+
+    import torch
+
+    print("argv", sys.argv[1:])
+    p = argparse.ArgumentParser()
+    p.add_argument("--lr", type=float, default=0.1)
+    print(float((torch.ones(2) * p.parse_args().lr).sum()))
+"""
+
+
+def test_run_names_its_own_options_given_after_a_script_that_failed(tmp_path, capsys, monkeypatch):
+    """The script gets everything after it unchanged, and argparse refuses what it does not know (exit 2): the note
+    names the options of run's own among them and gives the command with them before the script."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(ARGPARSE_SCRIPT))
+    monkeypatch.chdir(tmp_path)
+    argv = ["--lr", "0.5", "--emulate", "bf16", "--no-local", "--max-records=10"]
+    assert main(["run", str(script), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert f"argv {argv}" in out  # unchanged
+    assert "train.py: error: unrecognized arguments: --emulate bf16 --no-local --max-records=10" in err
+    assert err.splitlines()[-1] == (
+        "shadow: note: `--emulate`, `--no-local` and `--max-records` are options of shadow run, given after the "
+        "script: the script got them (everything after the script is its own). shadow's options go before the "
+        f"script: shadow run --emulate bf16 --no-local --max-records=10 {script} --lr 0.5")
+    assert main(["run", str(script), "--lr", "0.5", "-o", "r.json"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"is an option of shadow run, given after the script: the script got it (everything after the script is "
+        f"its own). shadow's options go before the script: shadow run -o r.json {script} --lr 0.5")
+
+
+def test_run_says_nothing_of_options_when_the_script_succeeds_or_has_none_of_runs(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(ARGPARSE_SCRIPT))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(script), "--lr", "0.5"]) == 0
+    assert main(["run", str(script), "--lr", "0.5", "--epochs", "3"]) == 2  # fails, on an option of its own
+    assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("what", ["missing", "directory"])
 def test_run_without_a_script_is_a_one_line_error(tmp_path, capsys, what):
     path = tmp_path / "nope.py" if what == "missing" else tmp_path

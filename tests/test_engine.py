@@ -377,6 +377,71 @@ def test_a_write_behind_shadows_back_is_caught_through_a_view():
     assert torch.equal(sm.shadow_of(w), w)
 
 
+# in-place ops that read what they write: the version counter moves once, after the op, for a write shadow saw
+SELF_ALIASING = {
+    "sub_": lambda t: t.sub_(t),  # the Hugging Face Trainer's tr_loss -= tr_loss
+    "add_": lambda t: t.add_(t),
+    "add_ alpha": lambda t: t.add_(t, alpha=2),
+    "mul_": lambda t: t.mul_(t),
+    "div_": lambda t: t.div_(t),
+    "addcmul_": lambda t: t.addcmul_(t, t, value=0.5),
+    "add out=": lambda t: torch.add(t, t, out=t),
+    "mul out=": lambda t: torch.mul(t, t, out=t),
+    "through a view": lambda t: t[...].add_(t),  # the view shares t's storage and version counter
+}
+
+
+def _aliasing_program(x, op):
+    t, u = x * 1.1, x * 0.7  # round in float32: their shadows hold values the device does not
+    op(t)
+    t.add_(u)  # a write after it: where the version was read wrongly, t was resynced here
+    t.mul_(1.3)
+    return t * 2.0
+
+
+@pytest.mark.parametrize("shape", [(), (5,)], ids=["0-dim", "vector"])
+@pytest.mark.parametrize("name", list(SELF_ALIASING))
+def test_in_place_ops_reading_their_own_output_are_writes_shadow_saw(name, shape):
+    x = torch.randn(shape) + 2.0  # away from 0: div_
+    with ShadowMode() as sm:
+        y = _aliasing_program(x, SELF_ALIASING[name])
+    assert sm.report.coverage.unobserved_writes == 0 and sm.report.events == []
+    # the same program in float64 without shadow: every op an elementwise IEEE one, so bit for bit
+    expected = _aliasing_program(x.double(), SELF_ALIASING[name])
+    assert torch.equal(sm.shadow_of(y), expected)
+    assert not torch.equal(y.double(), expected)  # the drift was kept, not resynced from the device
+
+
+def test_a_write_behind_shadows_back_after_a_self_aliasing_op_is_still_caught():
+    """Outside the block, with dispatch disabled, on another thread: each moves the counter through no op shadow
+    saw, and is counted and resynced (numpy and DLPack writes move no counter: unseen, README)."""
+    import threading
+
+    def outside(t):
+        with torch._C._DisableTorchDispatch():
+            t.add_(1.0)
+
+    def other_thread(t):  # the dispatch mode is the calling thread's
+        th = threading.Thread(target=t.add_, args=(1.0,))
+        th.start()
+        th.join()
+
+    for write in (outside, other_thread):
+        x = torch.randn(4)
+        with ShadowMode() as sm:
+            t = x * 1.1
+            t.sub_(t)
+            t.add_(x)
+            write(t)
+            y = t * 3.0
+        assert sm.report.coverage.unobserved_writes == 1, write
+        (ev,) = sm.report.events
+        assert ev.op == "aten.mul.Tensor" and "another thread" in ev.detail
+        assert torch.equal(sm.shadow_of(t), t.double())  # resynced: the device's values
+        assert torch.equal(sm.shadow_of(y), t.double() * 3.0)  # float32 times 3: exact in float64
+        assert "outside the ShadowMode block" in sm.report.summary()
+
+
 def test_no_false_unobserved_writes_in_a_training_step():
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)

@@ -14,7 +14,7 @@ that add up over every key, with ``residual``, to 1:
   (each result its float64 reference correctly rounded to the device dtype), the rounding share the rest of what
   disappears with the key's calls making no error at all (their float64 results kept). Covers every phase: the
   only method for targets an optimizer step computes (parameters after it). State is restored between runs
-  (``shadow.attribution.state``) and the user's objects are left as after one ordinary step.
+  (``shadow.attribution.state``).
 
   The replacement happens in the shadow, never on the device: each run is a float64 world in which every other
   call makes exactly the error the device made in it (its shadow plus the device's error on its own inputs, so
@@ -25,6 +25,11 @@ that add up over every key, with ``residual``, to 1:
   +-200 % for ops with 1 % of it). Held fixed, the worlds agree with the linear method to first order and add
   what it leaves out: the nonlinear propagation, the calls without autograd node (dropout's mask scaled by
   1/(1-p), autocast's casts of the inputs), and the backward and optimizer calls.
+
+Both methods leave the user's objects as they found them: the modules' parameters and buffers, the optimizers'
+state and torch's generators are put back after the last run (``StepState.as_found``), so that attributing a step
+takes no optimizer step. By module, a key is a module's own calls (its submodules' are theirs): keys are disjoint,
+so that shares add up; a row of a model is the calls it runs itself (the loss, in Hugging Face models).
 
 ``residual`` = 1 - shares - rounding shares: what neither explains (second-order effects; ops outside the
 coverage; calls left out). A value non-finite in the float64 world too (a mask's -inf) carries no error; a share
@@ -53,6 +58,11 @@ from ..scratch import copy
 # attribute's own arithmetic reaches no mode: not its ShadowMode's, nor an emulated device's or a fault's around it
 _own = torch._C._DisableTorchDispatch
 BY = ("op", "module", "callsite")
+# what a row is, the table's first line: keys are disjoint, so that shares add up (a module's row is not its subtree)
+_ROWS = {"op": "rows: every call of one op overload",
+         "module": "rows: a module's own calls, not its submodules' (disjoint rows: the shares and the residual "
+                   "add up to 1)",
+         "callsite": "rows: the calls made from one line of code"}
 METHODS = ("linear", "ablation")
 # an error beyond rounding: more than half an ulp (with room for the reference's own last bit)
 _ROUNDED_ULP = 0.5 + 1e-6
@@ -92,7 +102,8 @@ class AttributionResult:
     left_out: dict[str, int]  # key -> its calls whose share came out non-finite (shadow's own failure), left out
 
     def table(self, top: int | None = None) -> str:
-        """The rows as text, with the drift, the rounding share and the residual below them.
+        """The rows as text, under a line saying what a row is (by module: a module's own calls, not its
+        submodules'), with the drift, the rounding share and the residual below them.
 
         columns: the shares of the target's drift (signed) the key's errors beyond a correct rounding and its
         correct rounding cause, the largest local error rel_norm of its calls, the largest amplification of the
@@ -101,7 +112,7 @@ class AttributionResult:
         name_w = max([len(self.by)] + [len(r.key or "(none)") for r in rows])
         head = (f"{self.by:<{name_w}}  {'share':>8}  {'rounding':>8}  {'introduced':>10}  {'amplif.':>8}  "
                 f"{'calls':>6}")
-        lines = [head, "-" * len(head)]
+        lines = [_ROWS[self.by], head, "-" * len(head)]
         for r in rows:
             lines.append(f"{r.key or '(none)':<{name_w}}  {_pct(r.share):>8}  {_pct(r.rounding_share):>8}  "
                          f"{_num(r.introduced):>10}  {_num(r.amplification):>8}  {r.calls:>6}")
@@ -198,8 +209,12 @@ def adjoint_pass(step: Callable[[], Any], target: Any, options: dict,
 
 
 def _linear(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
-    # along D's direction, of norm 1: a seed that the target's dtype holds (1 / D overflows float16 for D < 2e-5)
-    run = adjoint_pass(step, target, options, lambda d: d / math.sqrt(_dot(d, d)) if _finite_drift(d) else None)
+    state = StepState()
+    with state.as_found():
+        with state.learning():
+            # along D's direction, of norm 1: a seed the target's dtype holds (1 / D overflows float16 for D < 2e-5)
+            run = adjoint_pass(step, target, options,
+                               lambda d: d / math.sqrt(_dot(d, d)) if _finite_drift(d) else None)
     with _own():
         d = run.t_dev - run.t_64
     dd = _dot(d, d)
@@ -266,17 +281,16 @@ def _linear_factor(values: list[torch.Tensor], adjoints: Adjoints, sm: ShadowMod
 def _ablation(step: Callable[[], Any], by: str, target: Any, options: dict) -> AttributionResult:
     state = StepState()
     sm = ShadowMode(**options)
-    with state.learning(), sm:
-        values = step_targets(step(), target)
-        t_dev, t_64 = read_targets(values, sm)
-    after = state.save()  # as after one ordinary step: where the user's objects are left
-    rep = sm.report
-    with _own():
-        d = t_dev - t_64
-    dd = _dot(d, d)
-    shares = _Shares(rep, by)
-    runs = 1
-    try:
+    with state.as_found():
+        with state.learning(), sm:
+            values = step_targets(step(), target)
+            t_dev, t_64 = read_targets(values, sm)
+        rep = sm.report
+        with _own():
+            d = t_dev - t_64
+        dd = _dot(d, d)
+        shares = _Shares(rep, by)
+        runs = 1
         if _finite_drift(d):
             removable, erring = _erring_keys(rep, by)
             for key in erring:
@@ -289,8 +303,6 @@ def _ablation(step: Callable[[], Any], by: str, target: Any, options: dict) -> A
                 shares.add(key, removed, total - removed,
                            lambda: f"a non-finite target in the world without its error (share {removed}, with "
                                    f"its rounding {total})", calls=erring[key])
-    finally:
-        state.restore(after)
     return _result("ablation", by, rep, t_64, d, dd, shares, tuple(p.value for p in Phase), runs)
 
 

@@ -1,11 +1,13 @@
 """What a training step changes, saved so that the step can run again from the same start.
 
-``shadow.attribute`` (ablation) and ``shadow.audit`` (verification) run a user's step several times; each run must
-start where the first did, and the user's objects must end as after one ordinary step. A step is a plain
-callable, so what it changes is learnt while it first runs: every module it calls (saved at its first forward,
-with its submodules: parameters, buffers, gradients) and every optimizer it steps (its ``state_dict`` before
-the step), plus torch's CPU and CUDA generators. Not covered, and documented as such: tensors the step writes
-outside modules and optimizers, learning-rate schedulers, Python's and numpy's generators.
+``shadow.attribute`` and ``shadow.audit`` run a user's step once or several times; each run must start where the
+first did, and the user's objects must end as they were found (``as_found``): they measure a step, they do not
+take one. A step is a plain callable, so what it changes is learnt while it first runs: every module it calls
+(saved at its first forward, with its submodules: parameters, buffers, gradients) and every optimizer it steps
+(its ``state_dict`` before the step), plus torch's CPU and CUDA generators (before the step). Not covered, and
+documented as such: tensors the step writes outside modules and optimizers, learning-rate schedulers, Python's
+and numpy's generators; gradients are put back as the module's first forward found them (after a ``zero_grad``
+the step makes before it).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class StepState:
     """The modules and optimizers a step uses, learnt during its first run (``learning``), and their state.
 
     >>> state = StepState()
-    >>> with state.learning():
+    >>> with state.as_found():             # the block's end puts the start back, however it ends
+    ...     with state.learning():
+    ...         step()                     # doctest: +SKIP
+    ...     state.restore(state.start)     # back to the start: run it again  # doctest: +SKIP
     ...     step()                         # doctest: +SKIP
-    >>> after = state.save()               # as after one ordinary step
-    >>> state.restore(state.start)         # back to the start: run it again  # doctest: +SKIP
     """
 
     def __init__(self) -> None:
@@ -87,13 +90,15 @@ class StepState:
                 h.remove()
             self.start = Saved(tensors, grads, optimizers, rng)
 
-    def save(self) -> Saved:
-        """The state of the same modules and optimizers now."""
-        with _no_dispatch(), torch.no_grad():
-            tensors = [(t, t.detach().clone()) for t, _ in self.start.tensors]
-            grads = [(p, _clone(p.grad)) for p, _ in self.start.grads]
-            optimizers = [(opt, copy.deepcopy(opt.state_dict())) for opt in self.optimizers]
-        return Saved(tensors, grads, optimizers, _rng())
+    @contextlib.contextmanager
+    def as_found(self) -> Iterator[StepState]:
+        """Every run of the step inside leaves the user's objects as the first found them: ``start`` is restored
+        when the block ends, however it ends (a step that raised included)."""
+        try:
+            yield self
+        finally:
+            if self.start is not None:
+                self.restore(self.start)
 
     def restore(self, saved: Saved) -> None:
         """Put every saved tensor, gradient, optimizer state and generator back (in place: the user's parameters

@@ -86,14 +86,62 @@ def execute(args: argparse.Namespace) -> int:
     if stops.held is not None:  # a signal came while the report was written: stop now, as it asked
         print(f"shadow: stopped by {signal.Signals(stops.held).name}", file=sys.stderr)
         return 128 + stops.held
+    hint = misplaced(args.script, args.args) if status else None  # the script failed: perhaps on shadow's option
     if not window.opened:
         if status:
+            _note(hint)
             return status
         raise Failure(f"the script made {window.done} optimizer steps, so shadowing (from the end of step "
                        f"{args.skip_steps}) never began: nothing was shadowed; give a smaller --skip-steps")
     for line in conclude(rep).lines:
         print(f"shadow: {line}", file=sys.stderr)
+    _note(hint)
     return status
+
+
+def _note(hint: str | None) -> None:
+    if hint is not None:
+        print(f"shadow: note: {hint}", file=sys.stderr)
+
+
+class _Options(argparse.ArgumentParser):
+    """A parser given ``run``'s arguments only to collect its options: each option string -> the option's action."""
+
+    def __init__(self) -> None:
+        super().__init__(add_help=False)
+        self.options: dict[str, argparse.Action] = {}
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*names, **kwargs)
+        self.options.update(dict.fromkeys(action.option_strings, action))
+        return action
+
+
+def misplaced(script: str, argv: list[str]) -> str | None:
+    """What to say when a script that failed was given options of ``run``'s own: everything after SCRIPT is the
+    script's (it got them unchanged), so ``shadow run train.py --emulate bf16`` gave ``--emulate`` to the script.
+    The hint names them and the command with them before the script; None when there are none."""
+    probe = _Options()
+    arguments(probe)
+    names, moved, rest, i = [], [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0] if token.startswith("--") else token[:2]  # --output=r.json, -or.json
+        action = probe.options.get(name) if token.startswith("-") else None
+        if action is None:
+            rest.append(token)
+            i += 1
+            continue
+        takes = 0 if action.nargs == 0 or len(name) < len(token) else 1  # run's options take at most one value
+        names.append(f"`{name}`")
+        moved += argv[i:i + 1 + takes]
+        i += 1 + takes
+    if not names:
+        return None
+    which = f"{names[0]} is an option" if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]} are options"
+    command = " ".join(["shadow run", *moved, script, *rest])
+    return (f"{which} of shadow run, given after the script: the script got {'it' if len(names) == 1 else 'them'} "
+            f"(everything after the script is its own). shadow's options go before the script: {command}")
 
 
 class Stopped(BaseException):

@@ -30,7 +30,10 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
     if cap is not None:
         engine.trim_scratch()
     inputs = InputShadows(engine, plan)
-    shadow = Args(*plan.map_tensors(args, kwargs, inputs))
+    try:
+        shadow = Args(*plan.map_tensors(args, kwargs, inputs))
+    finally:  # an argument shadow cannot read (sparse) still leaves the writes before it noted
+        inputs.note_writes()
     if plan.remap_args:
         remap_args(plan, place, shadow)
     local = None
@@ -69,9 +72,13 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
 
 class InputShadows:
     """The shadows of one call's tensor arguments (``plan.map_tensors``' function), and what they say of the call:
-    whether every one is exact, holds a NaN or an infinity, the largest drift, whether one is nested."""
+    whether every one is exact, holds a NaN or an infinity, the largest drift, whether one is nested. Declared
+    writes are noted after every argument's version check (``note_writes``): the counter moves only after the op
+    returns, so a check after the note (``t.sub_(t)`` reads ``t`` again as ``other``) would rebase on the noted
+    write and take the counter's move for one shadow did not see."""
 
-    __slots__ = ("engine", "plan", "exact", "nonfinite", "drift", "tensors", "storages", "read", "nested")
+    __slots__ = ("engine", "plan", "exact", "nonfinite", "drift", "tensors", "storages", "read", "nested",
+                 "written")
 
     def __init__(self, engine: Engine, plan: OpPlan):
         self.engine, self.plan = engine, plan
@@ -83,6 +90,7 @@ class InputShadows:
         # a tensor read twice (mha(x, x, x)) has one shadow: kernels test identity
         self.read: dict[int, torch.Tensor] = {}
         self.nested = False
+        self.written: list = []  # the entries of the arguments the op declares it writes
 
     def __call__(self, t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
         if spec.write:
@@ -114,11 +122,16 @@ class InputShadows:
         if entry.drift > self.drift:
             self.drift = entry.drift
         if declared:
-            mirror.note_write(entry)
+            self.written.append(entry)
         self.exact = self.exact and entry.exact
         self.tensors.append(t)
         self.storages.add(entry.shadow_storage)
         return mirror.view(t, entry)
+
+    def note_writes(self) -> None:
+        """Note the declared writes as writes shadow saw, after every argument's version check."""
+        for entry in self.written:
+            self.engine.mirror.note_write(entry)
 
 
 class Upcasts:
@@ -176,7 +189,8 @@ def entry_of(engine: Engine, plan: OpPlan, t: torch.Tensor) -> Any:
         entry = mirror.entry(t)
         engine.report.unobserved_write(Event(
             engine.index, plan.name, "unobserved_write",
-            f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw; resynced"))
+            f"{tuple(t.shape)} {t.dtype} on {t.device}: version moved without an op shadow saw (one run outside the "
+            "ShadowMode block, with torch dispatch disabled, or on another thread); resynced"))
     return entry
 
 
@@ -185,12 +199,15 @@ def see(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> None:
     the view's shadow exists; an in-place view op (``t_``, ``unsqueeze_``) bumps its input's version counter, which
     is noted as a write shadow saw."""
     mirror = engine.mirror
+    written = []  # noted after every check, as InputShadows does
     for spec, t in plan.tensors(args, kwargs):
         if t.device.type != "meta" and mirror.shadow_dtype(t.dtype) is not None and not t._is_zerotensor() \
                 and t.layout == torch.strided:
             entry = entry_of(engine, plan, t)
             if spec.index in plan.declared_writes:
-                mirror.note_write(entry)
+                written.append(entry)
+    for entry in written:
+        mirror.note_write(entry)
 
 
 def remap_args(plan: OpPlan, place: Placement, a: Args) -> None:

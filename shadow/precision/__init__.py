@@ -92,7 +92,8 @@ class AuditReport:
         return choose(self, tolerance)
 
     def table(self, top: int | None = None) -> str:
-        """Parts (most sensitive to the first precision first) by precision: the estimated relative change of the
+        """Under a line saying what a row is (by module: a module with its submodules, or with ``own`` its own
+        calls), parts (most sensitive to the first precision first) by precision: the estimated relative change of the
         target, the measured one in brackets where verified, ``-`` where the precision changes none of the part's
         calls (TF32 and FP8 touch matmuls only), ``O`` where it overflows the format, ``U`` where over 1 % of its
         values fall below the format's smallest normal."""
@@ -101,7 +102,10 @@ class AuditReport:
         name_w = max([len(self.by)] + [len(k or OUTSIDE) for k in keys])
         cell_w = 22
         head = f"{self.by:<{name_w}}" + "".join(f"  {p:>{cell_w}}" for p in self.precisions)
-        lines = [head, "-" * len(head)]
+        what = "every call of one op overload" if self.by == "op" else \
+            "a module's own calls, not its submodules'" if self.own else \
+            "a module with its submodules (a parent includes its children)"
+        lines = [f"rows: {what}", head, "-" * len(head)]
         for key in keys:
             cells = []
             for p in self.precisions:
@@ -130,8 +134,8 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
     one). ``precisions``: any of "fp8", "bf16", "fp16", "tf32". By module, a row covers the module with its
     submodules ("transformer.h.0.mlp": the MLP), or with ``own=True`` only the calls the module runs itself (its
     residual adds, where the loss is computed). ``verify``: how many of the most sensitive parts per precision
-    are re-run alone. ``shadow_options``: for the first (unemulated) run. The user's objects are left as after
-    one ordinary step.
+    are re-run alone. ``shadow_options``: for the first (unemulated) run. The user's objects are left as they
+    were found (parameters, buffers, optimizer state, torch's generators: ``StepState.as_found``).
 
     >>> aud = shadow.audit(lambda: train_step(model, batch), precisions=("bf16", "fp16"))   # doctest: +SKIP
     >>> print(aud.table()); plan = aud.plan(tolerance=1e-3)                                 # doctest: +SKIP
@@ -151,7 +155,6 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
         raise ShadowOptionError(f"audit(step={step!r}): expected a zero-argument callable that runs the "
                                 "computation and returns the target (the loss)")
     precisions = tuple(precisions)
-    tree = by == "module" and not own
     state = StepState()
     ranges = Ranges({p: (PRECISIONS[p].format, PRECISIONS[p].scaled) for p in precisions})
     upcasts = Upcasts()
@@ -167,9 +170,17 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
         ranges.observe(rec, outputs, parts)
         emulated.observe(rec, outputs, p, parts)
 
-    with state.learning(), upcasts, emulated.before():
-        run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=observe, ready=ready)
-    after = state.save()
+    with state.as_found():  # the user's objects as found: an audit takes no optimizer step
+        with state.learning(), upcasts, emulated.before():
+            run = adjoint_pass(step, target, shadow_options, torch.ones_like, errors=emulated, also=observe,
+                               ready=ready)
+        return _rows(step, target, state, run, emulated, ranges, precisions, by, own, verify)
+
+
+def _rows(step: Callable[[], Any], target: Any, state: StepState, run: Any, emulated: Emulated, ranges: Ranges,
+          precisions: tuple[str, ...], by: str, own: bool, verify: int) -> AuditReport:
+    """The report of an audit's first run (``run``), its most sensitive parts verified by runs of their own."""
+    tree = by == "module" and not own
     if run.t_64.numel() != 1:
         raise ShadowOptionError(f"audit: the target has {run.t_64.numel()} elements: the audit measures the relative "
                                 "change of one number (the loss); pass target= a one-element tensor")
@@ -184,23 +195,20 @@ def audit(step: Callable[[], Any], *, precisions: tuple[str, ...] = ("bf16", "fp
     at = emulated.computed_in(run.values[0])
     runs = 1
     rows: list[AuditRow] = []
-    try:
-        for name in precisions:
-            applies = {part for index in emulated.claimed[name] if index in run.records
-                       for part in emulated.parts[index]}
-            found = {k: (abs(v) / scale if math.isfinite(v) else math.inf) for (p, k), v in sums.items() if p == name}
-            parts = sorted(set(found) | set(ranges.parts))
-            fmt, scaled = PRECISIONS[name].format, PRECISIONS[name].scaled
-            suspects = sorted((k for k in parts if k in applies), key=lambda k: (-found.get(k, 0.0), k))[:verify]
-            for k in parts:
-                r = ranges.parts.get(k)
-                verified = _verified(step, target, state, PRECISIONS[name], by, tree, k, truth) \
-                    if k in suspects else None
-                runs += k in suspects
-                rows.append(AuditRow(k, name, found.get(k, 0.0), verified, r is not None and r.overflow(fmt, scaled),
-                                     r.underflow(fmt) if r is not None else 0.0, k in applies))
-    finally:
-        state.restore(after)
+    for name in precisions:
+        applies = {part for index in emulated.claimed[name] if index in run.records
+                   for part in emulated.parts[index]}
+        found = {k: (abs(v) / scale if math.isfinite(v) else math.inf) for (p, k), v in sums.items() if p == name}
+        parts = sorted(set(found) | set(ranges.parts))
+        fmt, scaled = PRECISIONS[name].format, PRECISIONS[name].scaled
+        suspects = sorted((k for k in parts if k in applies), key=lambda k: (-found.get(k, 0.0), k))[:verify]
+        for k in parts:
+            r = ranges.parts.get(k)
+            verified = _verified(step, target, state, PRECISIONS[name], by, tree, k, truth) \
+                if k in suspects else None
+            runs += k in suspects
+            rows.append(AuditRow(k, name, found.get(k, 0.0), verified, r is not None and r.overflow(fmt, scaled),
+                                 r.underflow(fmt) if r is not None else 0.0, k in applies))
     return AuditReport(by, precisions, rows, truth, runs, tuple(sorted(emulated.dropped)), own,
                        at[-1] if at else None)
 
