@@ -116,7 +116,7 @@ def _site(rec: Record) -> tuple[str, str]:
     return rec.op, rec.callsite or rec.module
 
 
-def _targets(records: list[Record], stepped: bool) -> tuple[list[Record], bool]:
+def targets(records: list[Record], stepped: bool) -> tuple[list[Record], bool]:
     """The calls whose results are the run's targets, and whether it trained (a backward, or an optimizer step:
     ``stepped``): each backward's loss; in a run without either, its last floating result compared."""
     losses, last, backward = [], None, False
@@ -165,8 +165,8 @@ def _reaches(report: ReportData, targets: list[Record], trained: bool) -> tuple[
 def flow(report: ReportData) -> Flow:
     """Where the NaN/Inf of ``report``'s kept calls is born, where it goes, and what absorbs it."""
     records = report.records
-    targets, trained = _targets(records, bool(report.trajectory))
-    reaches = _reaches(report, targets, trained)
+    losses, trained = targets(records, bool(report.trajectory))
+    reaches = _reaches(report, losses, trained)
     end = reaches[0].record if reaches else None  # the call where NaN/Inf first reaches (None: none kept)
     live: list[int] = []  # positions of the births not absorbed yet, in order
     absorbed_by: dict[int, list[Record]] = {}  # a birth's position -> the calls that absorbed it

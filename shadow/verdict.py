@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .amplification import Amplification, amplification
 from .nonfinite import Absorbed, Flow, Reach, flow
 from .records import KERNELS_KEY, Aggregate, Record, op_class
 from .reportdata import ReportData
@@ -269,6 +270,7 @@ class Verdict:
     notes: tuple[str, ...]  # what else limits the report: internal errors, unseen writes, capped records...
     kernels: tuple[FusedKernel, ...]  # fused kernels of compiled graphs over budget, judged alone, worst first
     known: tuple[tuple[str, str], ...]  # (op class over budget, the kernel property that explains it: KERNELS)
+    amplification: Amplification | None = None  # drift correct rounding grew into (None: over budget, or none)
 
     @property
     def suspicious(self) -> bool:
@@ -311,6 +313,8 @@ class Verdict:
             out.append(f"device and shadow disagree on NaN/Inf in {self.nonfinite_elements} elements, first in "
                        f"{op_class(self.first_nonfinite_op)}; where it was born is past the kept records (raise "
                        "--max-records / max_records)")
+        if self.amplification is not None:
+            out += self.amplification.lines(dtypes)
         if self.untrusted:
             shown = _names([f"{op} ({_plural(n, 'call')})" for op, n in self.untrusted])
             out.append(f"float64 itself is inaccurate (cancellation) in {shown}: their figures use mpmath's exact "
@@ -463,4 +467,5 @@ def conclude(report: ReportData) -> Verdict:
         first_nonfinite_op=first[1] if first is not None and first[0] not in kept else "",
         untrusted=tuple(sorted(untrusted.items(), key=lambda kv: (-kv[1], kv[0]))),
         unsupported=unsupported, unsupported_calls=cov.unsupported_calls, notes=tuple(notes),
-        kernels=fused_kernels(report), known=known_kernels(over_budget, report.meta.get("numerics") or {}))
+        kernels=fused_kernels(report), known=known_kernels(over_budget, report.meta.get("numerics") or {}),
+        amplification=None if nonfinite.reaches else amplification(report))

@@ -16,7 +16,7 @@ LAYERS = (
     ("records", ("shadow.savedform", "shadow.metrics", "shadow.records", "shadow.spot.verdict")),
     ("report format", ("shadow.reportformat",)),
     ("report data", ("shadow.reportdata", "shadow.trajectory", "shadow.nonfinite")),
-    ("verdict", ("shadow.verdict", "shadow.reportdiff")),
+    ("verdict", ("shadow.verdict", "shadow.reportdiff", "shadow.amplification")),
     ("render", ("shadow.tables", "shadow.report", "shadow.html", "shadow.plots", "shadow.progress")),
     ("cli", ("shadow.cli", "shadow.cli.*")),
 )
