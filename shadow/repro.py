@@ -11,6 +11,7 @@ checksums of the device's recorded outputs (docs/repro.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 import os
@@ -22,14 +23,14 @@ import torch
 
 from . import reproscript
 from .budgets import budget_for
-from .budgets.core import KAPPA, accumulation_dtype, unit_roundoff
+from .budgets.core import BUDGETS, KAPPA, accumulation_dtype, unit_roundoff
 from .engine.prepare import remap_args
 from .engine.values import Args
 from .errors import CallNotKeptError, ReproError
-from .explanation import explain
 from .metrics import precision_bits
 from .mirror import Placement
 from .plan import plan_of
+from .rules import rule_name
 from .reportformat import write_atomically
 from .sidecar import KeptCall, KeptInputs, TensorSlot, encode
 
@@ -121,15 +122,15 @@ def _contents(kept: KeptInputs, c: KeptCall) -> tuple[dict, dict]:
 
 
 def _formula(func: Any, budget: Any) -> str:
-    """The budget's rule in words: its bound in ulps, or the rule's name and what its docstring says."""
-    answers = [a for a in explain(func).budget if a.family == budget.family] or list(explain(func).budget)
-    rule = answers[0] if answers else None
+    """The budget's rule in words: its bound in ulps, or the rule's name and its docstring's first line."""
     if budget.ulps is not None:
         return f"{budget.ulps:g} ulps of the result at each element"
-    if rule is None:
-        return budget.family
-    name = re.sub(r"<function [^>]*>", "...", rule.name)  # a partial's bound functions: no address to paste
-    return f"{name}: {rule.doc}" if rule.doc else name
+    rules = [r for r in BUDGETS.chain(func) if r.family == budget.family] or list(BUDGETS.chain(func))
+    fn = rules[0].fn
+    name = re.sub(r"<function .*? at 0x[0-9a-f]+>", "...", rule_name(fn))  # a partial's bound functions: no address to paste
+    doc = inspect.getdoc(fn.func if isinstance(fn, functools.partial) else fn) or ""
+    doc = doc.split("\n\n")[0].replace("\n", " ")
+    return f"{name}: {doc} (shadow's bound per element, derived in docs/budgets.md)" if doc else name
 
 
 def _script(facts: dict) -> str:

@@ -194,7 +194,10 @@ def main(argv, facts):
           f"{fig['max_ulp']:.6g} of {facts['dtype']}, rel_norm {fig['rel_norm']:.3g}, effective bits "
           f"{fig['effective_bits']:.3g} of {data['bits']['stored']:g}"
           + (f", {fig['nonfinite']} non-finite elements differ" if fig["nonfinite"] else ""))
-    print(f"budget ({budget['family']}): {budget['formula']}")
+    bounds = [b for b in data["bounds"].values() if b is not None]
+    span = f"; bound {min(float(b.min()) for b in bounds):.3g} to {max(float(b.max()) for b in bounds):.3g}" \
+        if bounds else ""
+    print(f"budget ({budget['family']}): {budget['formula']}{span}")
     print(f"budget used: {fig['budget_used']:.4g} (recorded: {rec['budget_used']:.4g}; max abs "
           f"{rec['max_abs']:.6g}, max ulp {rec['max_ulp']:.6g})")
     for what in facts["emulation"]:
