@@ -15,8 +15,9 @@ import torch
 
 
 def checksum(t):
-    """sha256 of a tensor's values as its dtype holds them (its elements in order, whatever its strides)."""
-    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    """sha256 of a tensor's values as its dtype holds them (its elements in order, whatever its strides); read from
+    a copy (numpy marks what it reads non-resizable: never the program's own tensor)."""
+    raw = t.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
     try:
         data = raw.numpy().tobytes()
     except Exception:  # torch without numpy

@@ -203,3 +203,14 @@ def test_a_repro_on_the_device_reads_the_recorded_error_and_the_cpu_a_correct_ke
     assert fig["max_abs"] == pytest.approx(cpu.abs().max().item(), rel=REL)
     status, text = run_repro(files.script)  # no backend imported: what to do instead
     assert status == 2 and "--setup MODULE[:FUNCTION]" in text
+
+
+def test_keeping_changes_nothing_of_the_programs_tensors():
+    """A kept call's output stays the program's: same values, still resizable (the checksum reads a copy)."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    with FaultMode(rel=1e-3, op="gelu"), ShadowMode() as sm:
+        y = F.gelu(x)
+    with FaultMode(rel=1e-3, op="gelu"):
+        plain = F.gelu(x)
+    assert sm.report.meta["repro"]["kept"] and torch.equal(y, plain)
+    y.resize_(64)  # numpy's view of a storage would refuse: "Trying to resize storage that is not resizable"
