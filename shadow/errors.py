@@ -68,3 +68,35 @@ class ShadowMemoryError(MemoryError):
     """The shadows would exceed ``ShadowMode(max_shadow_bytes=...)``: raised before the op that needs more runs
     on the device (nothing of the user's is half-computed). Its message says how much was held and which
     options help."""
+
+
+class ReproError(ValueError):
+    """A reproduction cannot be written (``Report.repro``, ``shadow repro``); the message names the problem and
+    the fix."""
+
+
+class NoKeptInputsError(ReproError):
+    """The report keeps no inputs to reproduce a call from (``why`` says which case)."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+class SidecarError(ReproError):
+    """The file of kept inputs next to a report is missing, damaged or another run's."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class CallNotKeptError(ReproError):
+    """A call was asked for whose inputs the report does not keep."""
+
+    def __init__(self, call: Any, kept: list[int], detail: str):
+        super().__init__(f"call {call}: {detail}; the calls kept: "
+                         f"{', '.join(map(str, kept))} (give one of them, e.g. --call {kept[0]})" if kept else detail)
+        self.call = call
+        self.kept = kept

@@ -13,6 +13,7 @@ from .mirror import parse_shadow_device
 from .spot import SpotConfig
 
 FOLLOW = ("device", "reference")
+MAX_REPRO_BYTES = 64 << 20  # the default cap on the inputs kept of calls over budget (shadow repro)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,6 +31,8 @@ class Options:
     # where shadows live and replays run: "auto" (a CUDA tensor's on its GPU when it has the memory, every other
     # on the CPU), "cpu", or a device that computes float64 ("cuda", "cuda:1"); parsed into "auto" or a device
     shadow_device: Any = "auto"
+    # the bytes of inputs kept of the worst calls over budget, for `shadow repro` (0: none kept)
+    max_repro_bytes: int = MAX_REPRO_BYTES
 
     def __post_init__(self) -> None:
         for name in ("local", "drift", "budgets", "compare_cpu", "callsites"):
@@ -53,4 +56,8 @@ class Options:
                 self.max_shadow_bytes, int) or self.max_shadow_bytes <= 0):
             raise ShadowOptionError(f"max_shadow_bytes={self.max_shadow_bytes!r}: expected None (no cap) or a "
                                     "number of bytes > 0 (8 GiB: 8 << 30)")
+        if isinstance(self.max_repro_bytes, bool) or not isinstance(self.max_repro_bytes, int) or \
+                self.max_repro_bytes < 0:
+            raise ShadowOptionError(f"max_repro_bytes={self.max_repro_bytes!r}: expected a number of bytes >= 0 "
+                                    "(0 keeps no inputs; 64 MiB: 64 << 20)")
         object.__setattr__(self, "shadow_device", parse_shadow_device(self.shadow_device))

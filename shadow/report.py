@@ -8,9 +8,15 @@ form) with its text renderings (``shadow.tables``); ``load_report`` reads one ba
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from . import reportformat, tables
+from .errors import NoKeptInputsError
 from .reportdata import ReportData
+from .sidecar import KeptInputs, sidecar_path
+
+if TYPE_CHECKING:
+    from .repro import ReproFiles
 
 
 class Report(ReportData):
@@ -21,6 +27,45 @@ class Report(ReportData):
     >>> print(rep.table())            # doctest: +SKIP
     >>> rep.save("run.json"); shadow.load_report("run.json")  # doctest: +SKIP
     """
+
+    kept: KeptInputs | None = None  # the inputs kept of the worst calls over budget, during a run (shadow repro)
+    sidecar: str | None = None  # where a loaded report's kept inputs live (the file next to it)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the report as versioned JSON, whole or not at all (``ReportData.save``), and, where it keeps the
+        inputs of calls over budget, those in one sidecar next to it (``PATH.inputs.pt``, written first)."""
+        kept = self.kept if self.kept is not None and self.kept.calls else None
+        if kept is None and self.sidecar is not None and os.path.exists(self.sidecar):
+            kept = KeptInputs.load(self.sidecar, self.meta["repro"].get("token"))
+        if kept is not None:
+            kept.save(sidecar_path(path))
+            self.meta["repro"] = {**self.meta.get("repro", {}), "sidecar": os.path.basename(sidecar_path(path))}
+        super().save(path)
+
+    def kept_inputs(self) -> KeptInputs:
+        """The kept inputs (in memory after a run, else the sidecar next to the loaded report); a
+        ``NoKeptInputsError`` or ``SidecarError`` says why there are none and what to do."""
+        if self.kept is not None and self.kept.calls:
+            return self.kept
+        info = self.meta.get("repro")
+        if not info or not info.get("kept"):
+            raise NoKeptInputsError(_why_none(self.meta))
+        if self.sidecar is None:
+            raise NoKeptInputsError("this report keeps its inputs in a sidecar file and was not read from one: "
+                                    "load it with shadow.load_report(PATH) from beside its PATH.inputs.pt")
+        return KeptInputs.load(self.sidecar, info.get("token"))
+
+    def repro(self, call: int | None = None, directory: str | os.PathLike | None = None) -> ReproFiles:
+        """Write a reproduction of call ``call`` (its record index; None: the worst call kept) into ``directory``
+        (None: ./repro-OP-CALL): ``repro.py``, which needs torch alone and exits 1 when the call is over budget,
+        and ``inputs.pt`` (docs/repro.md).
+
+        >>> rep.repro(None, "repro-mm").script      # doctest: +SKIP
+        'repro-mm/repro.py'
+        """
+        from .repro import write
+
+        return write(self.kept_inputs(), call, directory, self.coverage.calls)
 
     def table(self, by: str = "op", top: int | None = None, *, phase: str | None = None, tree: bool = False) -> str:
         """A text table of the aggregates ``by`` "op", "module", "callsite" or "phase" (``Report.view``), over the
@@ -61,7 +106,25 @@ def load_report(path: str | os.PathLike) -> Report:
 
     >>> rep = shadow.load_report("run.json")  # doctest: +SKIP
     """
-    return Report.from_contents(reportformat.read_file(path))
+    rep = Report.from_contents(reportformat.read_file(path))
+    named = (rep.meta.get("repro") or {}).get("sidecar")
+    if isinstance(named, str):  # the kept inputs, read when a reproduction asks for them
+        rep.sidecar = os.path.join(os.path.dirname(os.fspath(path)), os.path.basename(named))
+    return rep
+
+
+def _why_none(meta: dict) -> str:
+    """Why a report keeps no inputs, and what to do, in one line."""
+    info, options = meta.get("repro"), meta.get("options") or {}
+    rerun = "re-run with ShadowMode(max_repro_bytes=N) or shadow run --max-repro-bytes N (N > 0, default 64 MiB)"
+    if "max_repro_bytes" not in options:
+        return "this report was saved by a shadow that keeps no inputs: re-run the program with this shadow"
+    if options["max_repro_bytes"] == 0:
+        return f"this run kept no inputs (max_repro_bytes=0): {rerun}"
+    if not info:
+        return "no call of this run was over its budget: there is nothing to reproduce"
+    left = "; ".join(f"{c['calls']} calls of {c['op']}: {c['why']}" for c in info.get("left_out", []))
+    return f"no call's inputs were kept ({left}); where the cap left them out, {rerun}"
 
 
 def loads(data: bytes | str) -> Report:

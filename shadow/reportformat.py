@@ -213,8 +213,8 @@ def save(d: dict, path: str | os.PathLike) -> None:
     write_atomically(path, lambda f: dump_json(d, f))
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[IO[str]], None]) -> None:
-    """Write a text file through ``write(f)`` into a temporary file beside ``path``, flushed to disk, then renamed
+def write_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, binary: bool = False) -> None:
+    """Write a text file (``binary``: a binary one) through ``write(f)`` into a temporary file beside ``path``, flushed to disk, then renamed
     over ``path`` (``os.replace``): a reader, or a crash at any point (an exception, a signal, a full disk, power
     lost after the rename), finds either the old file whole or the new one whole. A symbolic link at ``path`` is
     written through; an existing file keeps its permission bits, a new one gets those ``open`` would give."""
@@ -223,7 +223,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO[str]], None]) 
     temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
-        with open(fd, "w", encoding="utf-8") as f:
+        with (open(fd, "wb") if binary else open(fd, "w", encoding="utf-8")) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

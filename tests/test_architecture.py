@@ -14,10 +14,10 @@ MAX_LINES = 700  # a module past this is a package waiting to be made: split it 
 # The results side, lowest first: a module may import from its own layer and those below it, never from above.
 LAYERS = (
     ("records", ("shadow.savedform", "shadow.metrics", "shadow.records", "shadow.spot.verdict")),
-    ("report format", ("shadow.reportformat",)),
+    ("report format", ("shadow.reportformat", "shadow.sidecar")),
     ("report data", ("shadow.reportdata", "shadow.trajectory", "shadow.nonfinite")),
     ("verdict", ("shadow.verdict", "shadow.reportdiff", "shadow.amplification")),
-    ("render", ("shadow.tables", "shadow.report", "shadow.html", "shadow.plots", "shadow.progress")),
+    ("render", ("shadow.tables", "shadow.report", "shadow.html", "shadow.plots", "shadow.progress", "shadow.repro")),
     ("cli", ("shadow.cli", "shadow.cli.*")),
 )
 # what records, reports and verdicts never depend on: the engine side that produces them

@@ -5,6 +5,7 @@
     shadow html REPORT -o FILE              the report as one self-contained HTML page
     shadow compare A B                      which ops and modules got worse in B than in A
     shadow explain OP                       what shadow knows about an op: every table's answer
+    shadow repro REPORT [--call N] [-o DIR] a call over budget as DIR/repro.py (torch alone) + DIR/inputs.pt
     shadow demo | doctor                    a small model's step; the device backends
     shadow --version
 
@@ -18,8 +19,8 @@ Exit status:
          Ctrl-C (SIGINT), 143 on SIGTERM (a timeout, a job scheduler, CI), 129 on SIGHUP; the partial report written
 
 The CLI is the one place that prints; library code returns objects and leaves rendering to its caller.
-Each command is a module of this package (``run``, ``show``, ``html``, ``compare``, ``explain``, ``demo``,
-``doctor``) whose ``execute`` registers itself with ``@command`` (``shadow.cli.registry``); ``main`` imports every
+Each command is a module of this package (``run``, ``show``, ``html``, ``compare``, ``explain``, ``repro``,
+``demo``, ``doctor``) whose ``execute`` registers itself with ``@command`` (``shadow.cli.registry``); ``main`` imports every
 module of the package and builds the parser from what registered: adding a command is adding a module.
 
 >>> main(["run", "examples/train.py", "--steps", "1"])   # doctest: +SKIP

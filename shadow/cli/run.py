@@ -17,7 +17,7 @@ import torch
 
 from ..distributed import rank_path
 from ..modes.emulate import EMULATIONS
-from ..options import FOLLOW
+from ..options import FOLLOW, MAX_REPRO_BYTES
 from .common import STOP_SIGNALS, count, count_or_all, positive_int, shadowed, spot_checks, unwritable
 from .registry import Failure, command
 
@@ -52,6 +52,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="skip recording each call's line in the script (faster)")
     p.add_argument("--compare-cpu", action="store_true",
                    help="also run each op on the CPU in the device's dtype: device error / CPU error")
+    p.add_argument("--max-repro-bytes", type=count, default=MAX_REPRO_BYTES, metavar="N",
+                   help=f"bytes of inputs kept of the worst calls over budget, for shadow repro (default "
+                        f"{MAX_REPRO_BYTES >> 20} MiB; 0 keeps none), in REPORT.inputs.pt beside the report")
 
 
 @command("run", "run a Python script unchanged under ShadowMode (like python -m cProfile) and write its report",
@@ -70,7 +73,7 @@ def execute(args: argparse.Namespace) -> int:
     output = os.path.abspath(args.output)  # where the user meant, even if the script changes directory
     sm = ShadowMode(local=args.local, drift=args.drift, follow=args.follow, max_records=args.max_records,
                     spot_checks=args.spot_checks, budgets=args.budgets, compare_cpu=args.compare_cpu,
-                    callsites=args.callsites)
+                    callsites=args.callsites, max_repro_bytes=args.max_repro_bytes)
     window = StepWindow(sm, args.skip_steps, args.steps)
     device = emulate(args.emulate) if args.emulate else contextlib.nullcontext()  # outside ShadowMode, as it must be
     with Stops() as stops:

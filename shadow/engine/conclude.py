@@ -72,6 +72,7 @@ def conclude(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out:
              outputs: Outputs, at: tuple | None = None) -> None:
     """Judge, commit, record and observe a replayed call (``at``: where a deferred call was made)."""
     plan, hooks = prepared.plan, engine.hooks
+    deferred = at is not None
     judged = judge(engine, prepared, outputs, out, replayed.local if prepared.local is not None else replayed.shadow)
     if at is None:
         at = engine.attribution.where(plan.func, args, kwargs, out, engine.index, prepared.inputs)
@@ -89,6 +90,8 @@ def conclude(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out:
                  inputs=prepared.inputs, cpu=cpu, result=result, nonfinite_in=prepared.nonfinite_in,
                  inputs_drift=prepared.inputs_drift,
                  at=at)
+    if rec.over_budget and engine.keeper is not None and not deferred:  # decided after judging: within budget, free
+        engine.keeper.consider(engine, prepared, rec, outputs, args, kwargs)
     if hooks.observe is not None:
         hooks.observe(rec, outputs.items, prepared)
 

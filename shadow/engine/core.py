@@ -26,6 +26,7 @@ from .commit import adopt, resync_written
 from .conclude import finish, internal_error
 from .deferred import Deferrals
 from .hooks import EngineHooks
+from .keep import keeper_of
 from .outputs import takes_direct_path
 from .prepare import NoValues, entry_of, prepare, see
 from .record import record
@@ -83,6 +84,7 @@ class Engine:
         # kept within 1/32 of the shadows' bytes (at least 8 MiB)
         self.copies = HostCopies(lambda d: self.mirror.place(d), lambda: max(_COPIES_FLOOR, self.mirror.held / 32))
         self.deferred = Deferrals(self)
+        self.keeper = keeper_of(options, report.meta)  # the inputs of the worst calls over budget (shadow repro)
         self.index = 0  # the next record's
         # id(op) -> its Route, or None (passed through): an id hashes in C where an OpOverload's hash is a Python
         # method; _ops holds every op seen, so that its id stays its own

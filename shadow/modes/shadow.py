@@ -17,7 +17,7 @@ from ..compiled import hooks
 from ..compiled.kernels import Kernels
 from ..engine import Engine, EngineHooks
 from ..errors import ShadowWarning
-from ..options import Options
+from ..options import MAX_REPRO_BYTES, Options
 from ..plan import OpPlan
 from ..report import Report
 from ..trajectory import Trajectory
@@ -127,12 +127,13 @@ class ShadowMode:
         scope: Any = None,  # [module, ...]: shadow only their calls (forward, backward, optimizer); adopt the rest
         max_shadow_bytes: int | None = None,  # fail (ShadowMemoryError) before shadows would exceed this
         shadow_device: Any = "auto",  # where shadows live and replay: "auto", "cpu", or a float64 device ("cuda")
+        max_repro_bytes: int = MAX_REPRO_BYTES,  # inputs kept of the worst calls over budget (shadow repro; 0: none)
         hooks: EngineHooks | None = None,  # how shadow.attribute and shadow.audit take part in each op call
     ):
         self.options = Options(local=local, drift=drift, follow=follow, max_records=max_records,
                                spot_checks=spot_checks, budgets=budgets, compare_cpu=compare_cpu,
                                callsites=callsites, scope=scope, max_shadow_bytes=max_shadow_bytes,
-                               shadow_device=shadow_device)
+                               shadow_device=shadow_device, max_repro_bytes=max_repro_bytes)
         if hooks is not None and not isinstance(hooks, EngineHooks):
             raise TypeError(f"ShadowMode(hooks={hooks!r}): expected a shadow.engine.EngineHooks")
         if hooks is not None and (hooks.shadows is not None or hooks.recorded is not None):
@@ -157,6 +158,7 @@ class ShadowMode:
         own = EngineHooks(recorded=self._trajectory.seen,
                           shadows=_Scope(self.options.scope, self._attr) if self.options.scope is not None else None)
         self._engine = Engine(self.options, self.report, self._attr, own.merged(self._hooks))
+        self.report.kept = self._engine.keeper.kept if self._engine.keeper is not None else None
         self._mode = None
 
     def _compiled_module(self, module: str, mod: torch.nn.Module) -> None:
@@ -192,7 +194,8 @@ class ShadowMode:
 
         meta = {"shadow": __version__, "torch": torch.__version__, "numerics": numerics_settings(), "options": {
             "local": self.options.local, "drift": self.options.drift, "follow": self.options.follow,
-            "spot_checks": self.options.spot_checks.option, "callsites": self.options.callsites}}
+            "spot_checks": self.options.spot_checks.option, "callsites": self.options.callsites,
+            "max_repro_bytes": self.options.max_repro_bytes}}
         return meta
 
     def __enter__(self) -> ShadowMode:
@@ -209,6 +212,8 @@ class ShadowMode:
         self._stepped = register_optimizer_step_post_hook(lambda opt, a, kw: self._trajectory.stepped(opt,
                                                                                                       self._engine))
         self._watch.start()
+        if self._engine.keeper is not None:
+            self._engine.keeper.entered()
         self._mode = ShadowDispatch(self._engine, self._graphs)
         self._mode.__enter__()
         self._active = 1
