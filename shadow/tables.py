@@ -123,10 +123,10 @@ MANY_ULPS = 16.0
 
 
 def cancels(a: Aggregate) -> bool:
-    """The row's worst local ulp is large (over ``MANY_ULPS``) and a derived budget allows it: every call is held to
-    one (no guess among them) and within it. A budget bounds the error at the scale of the op's terms or inputs
-    (|A|@|B|, sum |x|), so where the exact result is much smaller than they are (they cancel), a correct kernel's
-    error is many ulps of the result."""
+    """The row's worst local ulp is large (over ``MANY_ULPS``) and a derived budget allows it: no call over its
+    budget, none held only to a guess. A budget bounds the error at the scale of what the op computes from (|A|@|B|,
+    sum |x|, an elementwise op's inputs), so where the exact result is much smaller than that (cancellation), a
+    correct kernel's error is many ulps of the result."""
     return bool(a.budgeted_calls and not a.over_budget_calls and not a.guessed_calls
                 and a.max_local_ulp_nonzero > MANY_ULPS)
 
@@ -147,7 +147,7 @@ def budget_cell(a: Aggregate) -> str:
     return number(a.max_budget_used) + (" !" if a.over_budget_calls else " ?" if a.guessed_calls else "")
 
 
-ORDER = "rows with derived budgets first, worst budget use first, then worst local ulp, then worst drift"
+ORDER = "those with derived budgets first; worst budget use first, then worst local ulp, then worst drift"
 # the table's columns after the key: the narrowest width each takes (it widens to fit its cells), and its alignment
 _COLUMNS = {"calls": (6, ">"), "dtype": (5, "<"), "local ulp": (10, ">"), "budget": (8, ">"), "bits": (5, ">"),
             "drift rel": (10, ">"), "flips": (6, ">"), "nonfin": (6, ">"), "unsup": (5, ">"), "untrust": (7, ">")}
@@ -156,9 +156,10 @@ LEGEND = {  # what each column of Report.table means, in a user's words (Report.
     "dtype": "the calls' floating result dtypes (shown when the run mixes them)",
     "local ulp": "worst local error: the op's own error against float64 on its own inputs, in ulps of the result "
                  "dtype (z: some exact result is 0, where any error reads 1e30+ ulp: judge it by the budget; c: "
-                 f"over {MANY_ULPS:g} ulps yet within a derived budget, which bounds the error at the scale of the "
-                 "op's terms (|A|@|B|, sum |x|): the exact result is much smaller than they are (cancellation), so a "
-                 "correct kernel's error is many ulps of it)",
+                 f"over {MANY_ULPS:g} ulps yet within a derived budget, which bounds the error at the scale of what "
+                 "the op computes from (|A|@|B| for a matmul, sum |x| for a sum, an elementwise op's inputs): the "
+                 "exact result is much smaller than that (cancellation), so a correct kernel's error is many ulps "
+                 "of it)",
     "budget": "worst local error / the error a correct kernel in that dtype may make, derived from the op and its "
               "arguments; above 1 (!) the kernel is less accurate than its dtype allows; ?: calls of an op no "
               "budget rule knows, held only to a guess of a few ulps, which is no evidence: not judged (alone: "

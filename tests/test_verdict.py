@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +15,7 @@ from shadow.metrics import ErrorStats
 from shadow.records import BudgetInfo, Kind, Phase, Record
 from shadow.records import StepDrift
 from shadow.report import Report
-from shadow.tables import LEGEND, ORDER
+from shadow.tables import LEGEND, MANY_ULPS, ORDER, cancels, number, ulp_cell
 from shadow.verdict import OpClass, arithmetic, conclude, op_class, times
 
 
@@ -289,3 +292,36 @@ def test_summary_drawn_by_rich(tf32):
     assert "\x1b[" in tf32.summary(top=4, rich=True, color=True)
     narrow = tf32.summary(top=4, rich=True, width=60)
     assert "…" not in narrow  # a long op name folds onto another line, never cut
+
+
+def test_many_ulps_a_derived_budget_allows_are_marked_c():
+    """A product whose terms cancel (issue 53: the demo's aten.mm read 9e+05 ulps beside budget 0.22): its error, the
+    correct kernel's, is many ulps of the tiny result; the cell says so (c), the legend explains it."""
+    torch.manual_seed(0)
+    n = 512
+    a, b0 = torch.randn(4, n), torch.randn(n, 1)
+    a64 = a.double()
+    # a column nearly orthogonal to a's first row: the exact (0, 1) element is tiny against its terms
+    b1 = (b0.double() - a64[0:1].T * (a64[0] @ b0.double()) / (a64[0] @ a64[0])).float()
+    b = torch.cat([b0, b1], 1)
+    device = a @ b  # outside ShadowMode: the same bits (shadow never changes what the device computes)
+    exact = a64 @ b.double()
+    err = (device.double() - exact).abs()
+    spacing = torch.tensor([2.0 ** (math.frexp(v)[1] - 24) for v in exact.abs().flatten().tolist()]).view(exact.shape)
+    direct_ulp = (err / spacing).max().item()  # float32 ulps at the exact value, computed without shadow
+    ratio = ((a64.abs() @ b.double().abs()) / exact.abs()).max().item()
+    assert ratio > 1e3 and direct_ulp > MANY_ULPS
+    assert direct_ulp <= n * ratio  # the kernel errs by at most ~n u sum|terms|: n * ratio ulps of the result
+
+    with ShadowMode() as sm:
+        a @ b
+    agg = sm.report.by_op["aten.mm.default"]
+    (rec,) = sm.report.find(op="aten.mm.default")
+    assert agg.max_local_ulp_nonzero == pytest.approx(direct_ulp, rel=1e-6)
+    assert rec.budget.used <= 1 and not rec.budget.is_default and agg.zero_reference_calls == 0
+    assert cancels(agg) and ulp_cell(agg) == f"{number(agg.max_local_ulp_nonzero)} c"
+    assert "c: over 16 ulps yet within a derived budget" in LEGEND["local ulp"]
+    # the mark needs a derived budget that allows it: not over it, nor a guess
+    assert not cancels(dataclasses.replace(agg, over_budget_calls=1))
+    assert not cancels(dataclasses.replace(agg, guessed_calls=1))
+    assert not cancels(dataclasses.replace(agg, max_local_ulp_nonzero=MANY_ULPS))
