@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 from . import plots
 from .records import Aggregate
 from .reportdata import ReportData
-from .tables import LEGEND, budget_cell, drift_cell, floating, number, short_dtype, ulp_cell
+from .tables import LEGEND, ORDER, budget_cell, drift_cell, floating, number, row_order, short_dtype, ulp_cell
 from .verdict import Verdict, conclude
 
 MAX_ROWS = 500  # rows of the over-budget table; the rest are counted (a long run can have thousands)
@@ -81,8 +81,7 @@ _CAPTIONS = {
     "trajectory": "Drift of the loss and of the parameters after each optimizer step, against float64: growing, "
                   "saturating or washed out by training.",
 }
-_ORDER = "Rows: worst budget use first, then worst local ulp, then worst drift (as Report.table); click a header " \
-         "to sort by it. Shaded rows had a call over budget. Columns:"
+_ORDER = f"Rows: {ORDER} (as Report.table); click a header to sort by it. Shaded rows had a call over budget. Columns:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,11 +203,10 @@ def _over_budget(report: ReportData) -> str:
 
 
 def _aggregates(table: dict[str, Aggregate], by: str) -> str:
-    """The columns of ``Report.table``, in its order (worst budget, then local ulp, then drift)."""
+    """The columns of ``Report.table``, in its order (``tables.row_order``)."""
     if not table:
         return "<p>No calls.</p>"
-    rows = sorted(table.items(), key=lambda kv: (-kv[1].max_budget_used, -kv[1].max_local_ulp_nonzero,
-                                                 -kv[1].max_drift_rel, kv[0]))
+    rows = sorted(table.items(), key=lambda kv: row_order(*kv))
     mixed = len({d for a in table.values() for d in a.dtypes if floating(d)}) > 1
     columns = _AGGREGATE_COLUMNS if mixed else [c for c in _AGGREGATE_COLUMNS if c[0] != "dtype"]
     body = [[_Cell(key or "(none)")] + [cell(a) for _, cell in columns] for key, a in rows]

@@ -151,10 +151,12 @@ def bits_figure(report: ReportData) -> Figure:
     stored = {d.replace("torch.", ""): STORED_BITS[d] for c in classes for d in c.dtypes if d in STORED_BITS}
     # the formats an error may read like, and the dtypes' own bits
     lines = {**{"float16 / TF32" if name == "float16" else name: bits for name, bits in FORMATS}, **stored}
+    named: dict[int, str] = {}  # one name a line: float16's own 10 bits are the format's line
     for name, bits in lines.items():
+        named.setdefault(bits, name)
         ax.axvline(bits, color="#8c8c8c", ls=":", lw=1)
-        ax.text(bits, 1.0, f" {name}", transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
-                fontsize=7, color="#555555")
+    # named on a top axis, above the points (a cluster at a format's line would hide a label inside the axes)
+    ax.secondary_xaxis("top").set_xticks(list(named), labels=list(named.values()), fontsize=7, color="#555555")
     ax.axhline(1.0, color=_OVER, ls="--", lw=1, label="budget (1.0)")
     # the exceptions to the one cause (every class over budget where there is none), and its classes unless they
     # are most of them
@@ -233,6 +235,8 @@ def trajectory_figure(report: ReportData) -> Figure:
     >>> fig = trajectory_figure(rep)             # doctest: +SKIP
     """
     fig = _new_figure(9, 4)
+    from matplotlib.ticker import MaxNLocator
+
     ax = fig.add_subplot()
     steps = report.trajectory
     if not steps:
@@ -244,6 +248,7 @@ def trajectory_figure(report: ReportData) -> Figure:
             ax.plot([s for s, _ in shown], [v for _, v in shown], marker="." if len(shown) < 50 else None,
                     label=label)
     ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no tick at 1.25
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("drift (relative, against float64)")
     ax.set_title("drift of the loss and of the parameters over the run")
@@ -338,13 +343,21 @@ def _drift_value(rec: Record, metric: str) -> float:
 
 
 def _module_labels(ax: Axes, records: list[Record], most: int = 24) -> None:
-    """Name the modules of the longest runs of calls on a top axis: every run would be unreadable on a long run."""
+    """Name the longest runs of calls on a top axis (every run would be unreadable on a long run) by their module;
+    where no long run is in a named module (a model of plain functions and tensors: makemore's), by the line of the
+    user's code that made them; with neither, the axis is left out."""
     span = records[-1].index - records[0].index + 1
-    runs = [r for r in _runs(records, lambda r: r.module) if r[1] - r[0] + 1 >= span / 80]
+    for what, name in (("module", lambda r: r.module), ("call site", lambda r: os.path.basename(r.callsite))):
+        runs = [r for r in _runs(records, name) if r[2] and r[1] - r[0] + 1 >= span / 80]
+        if runs:
+            break
+    else:
+        return
     runs = sorted(sorted(runs, key=lambda r: r[0] - r[1])[:most])
     top = ax.secondary_xaxis("top")
-    top.set_xticks([(first + last) / 2 for first, last, _ in runs],
-                   labels=[module or "(none)" for _, _, module in runs], rotation=45, ha="left", fontsize=7)
+    top.set_xticks([(first + last) / 2 for first, last, _ in runs], labels=[label for _, _, label in runs],
+                   rotation=45, ha="left", fontsize=7)
+    top.set_xlabel(what, fontsize=7, loc="left")
 
 
 def _module_cells(report: ReportData) -> dict[str, dict[str, Aggregate]]:

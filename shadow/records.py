@@ -225,6 +225,7 @@ class Aggregate:
     nonfinite: int = 0
     first_nonfinite: int | None = None  # index of the first call with a non-finite mismatch
     budgeted_calls: int = 0  # calls held to a rule's budget (not the default guess for ops no rule knows)
+    guessed_calls: int = 0  # calls judged only by that guess (BudgetInfo.is_default): not judged, counted apart
     max_budget_used: float = 0.0  # the worst local error as a fraction of its budget (> 1: over)
     over_budget_calls: int = 0  # calls over budget (Record.over_budget)
     min_effective_bits: float = math.inf  # the fewest mantissa bits a call's local error reads (inf: all exact)
@@ -262,6 +263,8 @@ class Aggregate:
             bits = local.effective_bits if local is not None else None
             if bits is not None and bits < self.min_effective_bits:  # a NaN compares false: skipped
                 self.min_effective_bits = bits
+        elif budget is not None:
+            self.guessed_calls += 1
         if rec.spot is not None and rec.spot.checked:
             self.spot_checked += 1
             self.spot_untrusted += not rec.spot.trusted
@@ -280,8 +283,8 @@ class Aggregate:
         for name in ("max_local_ulp", "max_local_ulp_nonzero", "max_local_abs", "max_drift_rel", "max_drift_ulp",
                      "max_budget_used"):
             setattr(self, name, max(getattr(self, name), getattr(other, name)))
-        for name in ("zero_reference_calls", "flips", "nonfinite", "budgeted_calls", "over_budget_calls",
-                     "spot_checked", "spot_untrusted"):
+        for name in ("zero_reference_calls", "flips", "nonfinite", "budgeted_calls", "guessed_calls",
+                     "over_budget_calls", "spot_checked", "spot_untrusted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.min_effective_bits = min(self.min_effective_bits, other.min_effective_bits)
         if other.first_nonfinite is not None and (self.first_nonfinite is None
@@ -329,8 +332,8 @@ class Coverage:
 
 
 # what a merged report keeps of each rank's cells (Report.per_rank; shadow.distributed.merge_reports)
-RANK_FIELDS = ("calls", "max_local_ulp_nonzero", "zero_reference_calls", "budgeted_calls", "max_budget_used",
-               "over_budget_calls", "max_drift_rel")
+RANK_FIELDS = ("calls", "max_local_ulp_nonzero", "zero_reference_calls", "budgeted_calls", "guessed_calls",
+               "max_budget_used", "over_budget_calls", "max_drift_rel")
 
 
 def _gc_untrack() -> Callable[[Any], None] | None:
@@ -397,7 +400,7 @@ AGGREGATE = Fields("Aggregate", {
     "calls": COUNT, "kinds": COUNTS, "max_local_ulp": FIGURE, "max_local_ulp_nonzero": FIGURE,
     "zero_reference_calls": COUNT, "max_local_abs": FIGURE, "max_drift_rel": FIGURE, "max_drift_ulp": FIGURE,
     "flips": COUNT, "nonfinite": COUNT, "first_nonfinite": Maybe(COUNT), "budgeted_calls": COUNT,
-    "max_budget_used": FIGURE, "over_budget_calls": Field(COUNT, old="over_budget"), "min_effective_bits": FIGURE,
+    "guessed_calls": COUNT, "max_budget_used": FIGURE, "over_budget_calls": Field(COUNT, old="over_budget"), "min_effective_bits": FIGURE,
     "spot_checked": COUNT, "spot_untrusted": COUNT, "dtypes": COUNTS}, Aggregate, legacy=_aggregate_legacy)
 COVERAGE = Fields("Coverage", {
     "calls": COUNT, "kinds": COUNTS, "unsupported": MapOf(TEXT), "internal_errors": COUNT, "passthrough": COUNT,

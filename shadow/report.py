@@ -69,15 +69,16 @@ class Report(ReportData):
 
     def table(self, by: str = "op", top: int | None = None, *, phase: str | None = None, tree: bool = False) -> str:
         """A text table of the aggregates ``by`` "op", "module", "callsite" or "phase" (``Report.view``), over the
-        calls of one ``phase`` (None: all), sorted by the worst budget used, then the worst local ulp, then the
-        worst drift. ``tree=True`` (by="module"): every module path with its submodules folded in, in tree order,
-        indented by depth. ``summary`` adds the legend and the verdict.
+        calls of one ``phase`` (None: all), rows held to derived budgets first, sorted by the worst budget used,
+        then the worst local ulp, then the worst drift. ``tree=True`` (by="module"): every module path with its
+        submodules folded in, in tree order, indented by depth. ``summary`` adds the legend and the verdict.
 
         columns (``shadow.tables.LEGEND`` says the same in a user's words): calls, the result dtypes (only when the run mixes
         floating dtypes, as under autocast), max local ulp (over elements whose reference is not 0; ``z``: some
-        reference is exactly 0 where the device is not, whose error is in abs and the budget), max budget used
-        (``!``: some call over budget; ``-``: only default budgets), the fewest effective bits of a call (``-``:
-        exact or no budget; a long TF32 matmul within its worst-case budget still reads ~10 here), max drift
+        reference is exactly 0 where the device is not, whose error is in abs and the budget; ``c``: many ulps a
+        derived budget allows, a result smaller than its terms), max budget used (``!``: some call over budget;
+        ``?``: calls with only the guessed budget of ops no rule knows; ``-``: no budget), the fewest effective bits
+        of a call (``-``: exact or no budget; a long TF32 matmul within its worst-case budget still reads ~10 here), max drift
         rel_norm, flips, non-finite, unsupported calls, calls whose float64 reference a spot check found
         untrustworthy (``!`` marks rows with any).
 

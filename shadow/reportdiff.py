@@ -7,9 +7,11 @@ matched with the next), and when too few calls match the reports are refused (``
 per-module figures come from the aggregates, which cover every call even where records were capped; the matched
 calls add the individual calls that got worse.
 
-Own error is judged by budget use (the worst call's local error over its a-priori bound; ops without a budget
-rule by their local ulp): it names the kernels that changed. Drift is reported apart: a kernel that got worse
-makes the drift of everything downstream worse too.
+Own error is judged by budget use (the worst call's local error over its a-priori bound): it names the kernels that
+changed. Ops without a derived budget (no rule knows them: a guess, or none) are compared by their local ulp, listed
+after the judged ones and never named by the verdict: ulps alone are no evidence (at a result that cancels, a correct
+kernel's error reads 1e+15 of them). Drift is reported apart: a kernel that got worse makes the drift of everything
+downstream worse too.
 
 >>> diff = diff_reports(shadow.load_report("fp32.json"), shadow.load_report("tf32.json"))  # doctest: +SKIP
 >>> [c.key for c in diff.worse("op")]                                                  # doctest: +SKIP
@@ -112,6 +114,13 @@ class Change:
         newly_nonfinite = self.b.nonfinite > 0 and self.a.nonfinite == 0
         return (_factor(a, b) >= factor and b >= floor and not same_bits) or newly_over or newly_nonfinite
 
+    @property
+    def judged(self) -> bool:
+        """A change in its own error is evidence: both sides held to derived budgets, or B has calls over budget or
+        NaN/Inf disagreements where A had none (without a derived budget, local ulps are compared, and listed apart)."""
+        return self.budgeted or (self.b.over_calls > 0 and self.a.over_calls == 0) or \
+            (self.b.nonfinite > 0 and self.a.nonfinite == 0)
+
     def own_better(self, factor: float = FACTOR, floor: float = FLOOR) -> bool:
         return Change(self.key, self.b, self.a).own_worse(factor, floor)
 
@@ -120,7 +129,7 @@ class Change:
 
     def __str__(self) -> str:
         a, b = self._own()
-        what = "budget" if self.budgeted else "ulp"
+        what = "budget" if self.budgeted else "ulp (no derived budget)"
         text = f"{_num(a)} -> {_num(b)} {what} ({times(self.own_factor)})"
         bits = [f"{f.effective_bits:.1f}" if f.effective_bits is not None else "-" for f in (self.a, self.b)]
         if bits != ["-", "-"] and bits[0] != bits[1]:
@@ -177,13 +186,14 @@ class ReportDiff:
         return self.by_op if by == "op" else self.by_module
 
     def worse(self, by: str = "op") -> list[Change]:
-        """Ops (modules) whose own error got worse in B, the largest factor first."""
+        """Ops (modules) whose own error got worse in B: the judged ones (``Change.judged``) first, each part the
+        largest factor first."""
         found = [c for c in self._changes(by) if c.own_worse(self.factor, self.floor)]
-        return sorted(found, key=lambda c: (-c.own_factor, -c.b.own, c.key))
+        return sorted(found, key=lambda c: (not c.judged, -c.own_factor, -c.b.own, c.key))
 
     def better(self, by: str = "op") -> list[Change]:
         found = [c for c in self._changes(by) if c.own_better(self.factor, self.floor)]
-        return sorted(found, key=lambda c: (c.own_factor, c.key))
+        return sorted(found, key=lambda c: (not c.judged, c.own_factor, c.key))
 
     def drift_worse(self, by: str = "op") -> list[Change]:
         """Ops (modules) whose drift got worse in B: downstream of a worse kernel, or amplifying more."""
@@ -215,8 +225,13 @@ class ReportDiff:
             if ops:
                 out.append(f"ops only in {side}: {', '.join(ops[:_SHOWN])}" + (" ..." if len(ops) > _SHOWN else ""))
         for by in ("op", "module"):
-            for title, rows in ((f"own error worse in B, by {by} (A -> B):", self.worse(by)),
-                                (f"own error better in B, by {by} (A -> B):", self.better(by))):
+            worse, better = self.worse(by), self.better(by)
+            for title, rows in ((f"own error worse in B, by {by} (A -> B):", [c for c in worse if c.judged]),
+                                (f"own error better in B, by {by} (A -> B):", [c for c in better if c.judged]),
+                                (f"not judged (no derived budget), local ulp worse in B, by {by} (A -> B):",
+                                 [c for c in worse if not c.judged]),
+                                (f"not judged (no derived budget), local ulp better in B, by {by} (A -> B):",
+                                 [c for c in better if not c.judged])):
                 if rows:
                     width = max(len(c.key or "(none)") for c in rows[:_SHOWN])
                     out.append(title)
@@ -240,7 +255,7 @@ class ReportDiff:
 
     @property
     def verdict(self) -> str:
-        worse = self.worse("op")
+        worse = [c for c in self.worse("op") if c.judged]
         graphs = [g for g in self.graphs if g.worse(self.factor)]
         if graphs:
             return (f"verdict: B is worse: {len(graphs)} compiled graph call{'s' if len(graphs) > 1 else ''} over "
@@ -252,6 +267,11 @@ class ReportDiff:
             shown = ", ".join(f"{k} {times(c.own_factor)}" for k, c in list(classes.items())[:5])
             return (f"verdict: B is worse: the own error of {len(classes)} op class{'es' if len(classes) > 1 else ''} "
                     f"grew {self.factor:g}x or more: {shown}")
+        unjudged = sorted({op_class(c.key) for c in self.worse("op")})
+        if unjudged:
+            return (f"verdict: no op held to a derived budget got worse; {len(unjudged)} op "
+                    f"class{'es' if len(unjudged) > 1 else ''} without one read more ulps in B, which is no "
+                    f"evidence (not judged): {', '.join(unjudged[:5])}" + (" ..." if len(unjudged) > 5 else ""))
         if self.identical:
             return "verdict: nothing changed: the same calls with the same figures"
         if not self.changed:
@@ -299,7 +319,7 @@ def diff_reports(a: ReportData, b: ReportData, *, factor: float = FACTOR, floor:
         va, vb = (ra.budget.used, rb.budget.used) if budgeted else (ra.local.ulp_nonzero, rb.local.ulp_nonzero)
         if _factor(va, vb) >= factor and vb >= (floor if budgeted else 1.0):
             calls.append(CallChange(ra.index, rb.index, ra.op, ra.module, str(ra.phase), va, vb, budgeted))
-    calls.sort(key=lambda c: (-_factor(c.a, c.b), -c.b, c.index_a))
+    calls.sort(key=lambda c: (not c.budgeted, -_factor(c.a, c.b), -c.b, c.index_a))
 
     def changes(view_a: dict[str, Aggregate], view_b: dict[str, Aggregate]) -> tuple[Change, ...]:
         return tuple(Change(k, Figures.of(view_a[k]), Figures.of(view_b[k])) for k in sorted(view_a.keys() & view_b))

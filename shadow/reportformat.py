@@ -36,12 +36,12 @@ __all__ = ["AGGREGATE", "BUDGET", "CELLS", "COVERAGE", "ERROR_STATS", "EVENT", "
            "saved", "write", "write_atomically"]
 
 FORMAT = "shadow-report"
-VERSION = 7  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
+VERSION = 8  # 2: spot checks; 3: error budgets; 4: record dtype and shape, budget "family", over_budget_calls;
 # 5: call sites, input drift, aggregates by (op, module, call site, phase) ("cells"); 6: the trajectory; 7: a merged
-# report's per-rank cells ("per_rank")
-READS = (1, 2, 3, 4, 5, 6, 7)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the budget
-# family "kind" and over_budget_calls "over_budget", 4 had no call sites (its aggregates: by op and module only),
-# 5 no trajectory, 6 no per-rank cells
+# report's per-rank cells ("per_rank"); 8: the aggregates' calls judged by a guessed budget ("guessed_calls")
+READS = (1, 2, 3, 4, 5, 6, 7, 8)  # versions this shadow loads: 1 had no spot checks, 2 no budgets, 3 called the
+# budget family "kind" and over_budget_calls "over_budget", 4 had no call sites (its aggregates: by op and module
+# only), 5 no trajectory, 6 no per-rank cells, 7 did not count the guessed calls (read as 0)
 
 
 class Cells(Spec):

@@ -28,8 +28,7 @@ def summary(report: ReportData, by: str = "op", top: int | None = None, *, phase
         lines.append(f"({len(t.rows)} of {t.total} rows)")
     if t.ranks_line:
         lines.append(t.ranks_line)
-    order = "tree order, parents above their submodules" if tree else \
-        "worst budget use first, then worst local ulp, then worst drift"
+    order = "tree order, parents above their submodules" if tree else ORDER
     lines += ["", f"rows: {order}; columns:"]
     keys = {**LEGEND, t.head[0]: _KEY_LEGEND[by] + (" (with its submodules)" if tree else "")}
     legend = [(name, keys[name]) for name in t.head if name in keys]
@@ -57,8 +56,7 @@ def text_table(report: ReportData, by: str, top: int | None, phase: str | None, 
     if tree:  # parents first, children below them
         keys = sorted(table, key=lambda k: k.split("."))
     else:
-        keys = sorted(table, key=lambda k: (-table[k].max_budget_used, -table[k].max_local_ulp_nonzero,
-                                            -table[k].max_drift_rel, k))
+        keys = sorted(table, key=lambda k: row_order(k, table[k]))
     total = len(keys)
     if top is not None:
         if isinstance(top, bool) or not isinstance(top, int) or top < 0:
@@ -101,6 +99,12 @@ def _rank_rows(report: ReportData, by: str, phase: str | None, tree: bool, table
                       for name, figure in _RANK_FIGURES.items()}
 
 
+def row_order(key: str, a: Aggregate) -> tuple:
+    """The tables' order: rows with calls held to a derived budget first (a guessed budget is no evidence), by
+    worst budget use, then worst local ulp, then worst drift."""
+    return not a.budgeted_calls, -a.max_budget_used, -a.max_local_ulp_nonzero, -a.max_drift_rel, key
+
+
 def number(x: float) -> str:
     """A figure in a cell: three significant digits, 0 and non-finite values as themselves."""
     if x == 0:
@@ -114,20 +118,36 @@ def drift_cell(a: Aggregate) -> str:
     return number(a.max_drift_rel)
 
 
+# a local ulp above this, in a row whose every budgeted call is within its derived budget, is marked c (cancels)
+MANY_ULPS = 16.0
+
+
+def cancels(a: Aggregate) -> bool:
+    """The row's worst local ulp is large (over ``MANY_ULPS``) and a derived budget allows it: no call over its
+    budget, none held only to a guess. A budget bounds the error at the scale of what the op computes from (|A|@|B|,
+    sum |x|, an elementwise op's inputs), so where the exact result is much smaller than that (cancellation), a
+    correct kernel's error is many ulps of the result."""
+    return bool(a.budgeted_calls and not a.over_budget_calls and not a.guessed_calls
+                and a.max_local_ulp_nonzero > MANY_ULPS)
+
+
 def ulp_cell(a: Aggregate) -> str:
     """max local ulp over elements whose reference is not 0; ``z`` marks rows where some reference is exactly 0
-    and the device is not (the ulp at 0 is subnormal: 1e30+ for any error; read abs and the budget there)."""
-    return number(a.max_local_ulp_nonzero) + (" z" if a.zero_reference_calls else "")
+    and the device is not (the ulp at 0 is subnormal: 1e30+ for any error; read abs and the budget there), ``c``
+    rows whose many ulps their derived budgets allow (``cancels``)."""
+    return number(a.max_local_ulp_nonzero) + (" z" if a.zero_reference_calls else "") + (" c" if cancels(a) else "")
 
 
 def budget_cell(a: Aggregate) -> str:
-    """max budget used, ``!`` when a call was over it; ``-`` when no call had a rule's budget (a 0 would read
-    as perfect)."""
+    """max budget used over the calls held to a derived budget, ``!`` when a call was over it, else ``?`` when some
+    calls had only the guess for ops no rule knows; ``?`` alone when every call had only that guess, ``-`` when no
+    call had a budget (a 0 would read as perfect)."""
     if not a.budgeted_calls:
-        return "-"
-    return number(a.max_budget_used) + (" !" if a.over_budget_calls else "")
+        return "?" if a.guessed_calls else "-"
+    return number(a.max_budget_used) + (" !" if a.over_budget_calls else " ?" if a.guessed_calls else "")
 
 
+ORDER = "those with derived budgets first; worst budget use first, then worst local ulp, then worst drift"
 # the table's columns after the key: the narrowest width each takes (it widens to fit its cells), and its alignment
 _COLUMNS = {"calls": (6, ">"), "dtype": (5, "<"), "local ulp": (10, ">"), "budget": (8, ">"), "bits": (5, ">"),
             "drift rel": (10, ">"), "flips": (6, ">"), "nonfin": (6, ">"), "unsup": (5, ">"), "untrust": (7, ">")}
@@ -135,9 +155,15 @@ LEGEND = {  # what each column of Report.table means, in a user's words (Report.
     "calls": "op calls in the row (every call: the tables are never capped)",
     "dtype": "the calls' floating result dtypes (shown when the run mixes them)",
     "local ulp": "worst local error: the op's own error against float64 on its own inputs, in ulps of the result "
-                 "dtype (z: some exact result is 0, where any error reads 1e30+ ulp: judge it by the budget)",
-    "budget": "worst local error / the error a correct kernel in that dtype may make; above 1 (!) the kernel is "
-              "less accurate than its dtype allows; -: no budget rule for the op",
+                 "dtype (z: some exact result is 0, where any error reads 1e30+ ulp: judge it by the budget; c: "
+                 f"over {MANY_ULPS:g} ulps yet within a derived budget, which bounds the error at the scale of what "
+                 "the op computes from (|A|@|B| for a matmul, sum |x| for a sum, an elementwise op's inputs): the "
+                 "exact result is much smaller than that (cancellation), so a correct kernel's error is many ulps "
+                 "of it)",
+    "budget": "worst local error / the error a correct kernel in that dtype may make, derived from the op and its "
+              "arguments; above 1 (!) the kernel is less accurate than its dtype allows; ?: calls of an op no "
+              "budget rule knows, held only to a guess of a few ulps, which is no evidence: not judged (alone: "
+              "every call); -: no budget (no floating result, or budgets off)",
     "bits": "the fewest mantissa bits a call's error reads like (~23: correct float32, ~10: TF32 or float16, "
             "~7: bfloat16; -: exact or no budget)",
     "drift rel": "worst drift, ||device - shadow|| / ||shadow||: all the error accumulated since shadowing began",
@@ -170,9 +196,10 @@ class _RankFigure:
 
 
 _RANK_FIGURES = {  # in the order of their columns
-    "local ulp": _RankFigure(ulp_cell, lambda a: a.max_local_ulp_nonzero, lambda a: (a.zero_reference_calls > 0,)),
+    "local ulp": _RankFigure(ulp_cell, lambda a: a.max_local_ulp_nonzero,
+                             lambda a: (a.zero_reference_calls > 0, cancels(a))),
     "budget": _RankFigure(budget_cell, lambda a: a.max_budget_used,
-                          lambda a: (a.budgeted_calls > 0, a.over_budget_calls)),
+                          lambda a: (a.budgeted_calls > 0, a.over_budget_calls, a.guessed_calls > 0)),
     "drift rel": _RankFigure(drift_cell, lambda a: a.max_drift_rel, lambda a: ()),
 }
 

@@ -1,7 +1,8 @@
 """What a report concludes, in lines a user can act on, at the level of the cause: NaN/Inf that reaches the loss, a
 gradient or a parameter (the op that made it, and how it got there), the arithmetic the op classes over budget read
 like (one line when most read the same format, then the exceptions), float64 references that mpmath found wrong,
-what shadow could not check; or the all-clear. NaN/Inf that float64 makes too and that reaches none of those (an
+what shadow could not check or judge (ops no budget rule knows: their guessed budget is no evidence); or the
+all-clear, which counts the calls held to derived budgets only. NaN/Inf that float64 makes too and that reaches none of those (an
 attention mask of -inf that softmax absorbs) is information, not a finding (docs/reports.md: The verdict).
 
 A pure function of a report (``conclude``); ``Report.summary``, ``shadow show``, ``shadow run``, the HTML page and
@@ -255,7 +256,8 @@ class Verdict:
 
     calls: int  # aten calls seen
     replayed: int  # ... replayed in float64 (own kernel or decomposition)
-    budgeted: int  # ... held to a rule's error budget
+    budgeted: int  # ... held to a rule's error budget (a derived one)
+    guessed: tuple[tuple[str, int], ...]  # (op class, calls) judged only by the guess for ops no rule knows: not judged
     dtypes: tuple[str, ...]  # floating result dtypes of the budgeted calls
     over_budget: tuple[OpClass, ...]  # op classes with calls over budget, worst first
     arithmetic: Arithmetic | None  # the format most of them read, said once (None: no shared cause)
@@ -275,7 +277,8 @@ class Verdict:
     @property
     def suspicious(self) -> bool:
         """Something a user should look at: an op over budget, NaN/Inf reaching what is trained or disagreed on past
-        the kept records, a wrong reference."""
+        the kept records, a wrong reference. Calls judged only by a guessed budget are none of these (no
+        evidence either way): ``guessed`` lists them, and they are never counted in the all-clear."""
         return bool(self.over_budget or self.nonfinite or self.first_nonfinite_op or self.untrusted)
 
     @property
@@ -322,17 +325,25 @@ class Verdict:
         if not out:
             if not self.replayed:
                 out.append("no op call was replayed: nothing to judge")
-            elif not self.budgeted:
+            elif self.budgeted:
+                out.append(f"all {self.budgeted} calls held to derived budgets are within their {dtypes} budgets: "
+                           "nothing suspicious")
+            elif self.guessed:
+                out.append(f"{self.replayed} replayed calls, none held to a derived error budget: their local errors "
+                           "are not judged")
+            else:
                 out.append(f"{self.replayed} replayed calls, none held to an error budget (budgets off): "
                            "their local errors are not judged")
-            else:
-                out.append(f"all {self.replayed} replayed calls within their {dtypes} budgets: nothing suspicious")
         out[0] = "verdict: " + out[0]
         shown_absorbed = self.absorbed[:_SHOWN]
         out += [_absorbed_line(a, self.trained) for a in shown_absorbed]
         if len(self.absorbed) > _SHOWN:
             out.append(f"info: and {len(self.absorbed) - _SHOWN} more op classes made NaN/Inf that was absorbed "
                        "(shadow.nonfinite.flow lists them)")
+        if self.guessed:
+            calls = sum(n for _, n in self.guessed)
+            out.append(f"not judged: {_plural(calls, 'call')} of {_names([op for op, _ in self.guessed])} (no budget "
+                       "rule: the few ulps guessed for them are no evidence, so they are neither over nor within)")
         if self.unsupported:
             shown = "; ".join(f"{op} ({why})" for op, why in self.unsupported[:_SHOWN])
             more = f"; and {len(self.unsupported) - _SHOWN} more ops" if len(self.unsupported) > _SHOWN else ""
@@ -428,6 +439,16 @@ def op_classes(report: ReportData) -> list[OpClass]:
     return sorted(found, key=lambda c: (-c.budget_used, c.op))
 
 
+def _per_class(by_op: dict[str, Aggregate], count: str) -> tuple[tuple[str, int], ...]:
+    """(op class, calls) of the op classes with calls ``count`` counts (an ``Aggregate`` field), most first."""
+    found: dict[str, int] = {}
+    for op, a in by_op.items():
+        n = getattr(a, count)
+        if n:
+            found[op_class(op)] = found.get(op_class(op), 0) + n
+    return tuple(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def conclude(report: ReportData) -> Verdict:
     """The verdict on ``report``: findings as data, and their lines."""
     by_op = report.by_op
@@ -435,10 +456,7 @@ def conclude(report: ReportData) -> Verdict:
     nonfinite = flow(report)
     first = min(((a.first_nonfinite, op) for op, a in by_op.items() if a.first_nonfinite is not None), default=None)
     kept = {r.index for r in report.records}
-    untrusted: dict[str, int] = {}
-    for op, a in by_op.items():
-        if a.spot_untrusted:
-            untrusted[op_class(op)] = untrusted.get(op_class(op), 0) + a.spot_untrusted
+    untrusted, guessed = _per_class(by_op, "spot_untrusted"), _per_class(by_op, "guessed_calls")
     cov = report.coverage
     notes = []
     if cov.internal_errors:
@@ -459,13 +477,13 @@ def conclude(report: ReportData) -> Verdict:
                                and by_op[op].kinds.get("unsupported")))
     over_budget = tuple(c for c in classes if c.over_calls)
     return Verdict(
-        calls=cov.calls, replayed=cov.replayed, budgeted=sum(c.budgeted_calls for c in classes),
+        calls=cov.calls, replayed=cov.replayed, budgeted=sum(c.budgeted_calls for c in classes), guessed=guessed,
         dtypes=tuple(sorted({d for c in classes for d in c.dtypes})),
         over_budget=over_budget, arithmetic=arithmetic(classes),
         nonfinite=NonfiniteOrigin.of(nonfinite), absorbed=nonfinite.absorbed, trained=nonfinite.trained,
         nonfinite_elements=sum(a.nonfinite for a in by_op.values()),
         first_nonfinite_op=first[1] if first is not None and first[0] not in kept else "",
-        untrusted=tuple(sorted(untrusted.items(), key=lambda kv: (-kv[1], kv[0]))),
+        untrusted=untrusted,
         unsupported=unsupported, unsupported_calls=cov.unsupported_calls, notes=tuple(notes),
         kernels=fused_kernels(report), known=known_kernels(over_budget, report.meta.get("numerics") or {}),
         amplification=None if nonfinite.reaches else amplification(report))

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from shadow import ShadowMode
+from shadow import Kind, Phase, Record, Report, ShadowMode
+from shadow.metrics import ErrorStats
+from shadow.records import BudgetInfo
 from shadow.reportdiff import Change, Figures, ReportDiffError, align, diff_reports
 from shadow.modes import TF32Mode
 
@@ -142,3 +144,35 @@ def test_align_periodic_calls_step_by_step():
     assert all(steps[i] == other[j] for i, j in pairs)
     assert all(i1 < i2 and j1 < j2 for (i1, j1), (i2, j2) in zip(pairs, pairs[1:]))
     assert align(list("abcab"), list("zabcb")) == [(0, 1), (1, 2), (2, 3), (4, 4)]
+
+
+def _run(mm_used: float, adamw_ulp: float) -> Report:
+    """A forward matmul held to its derived budget and a fused AdamW call with only the guess (no rule knew it)."""
+    rep = Report()
+    for i, (op, used, ulp, guess) in enumerate([("aten.mm.default", mm_used, mm_used * 50, False),
+                                                ("aten._fused_adamw_.default", adamw_ulp / 4, adamw_ulp, True)]):
+        rep.add(Record(i, op, "Net.fc", Phase.FORWARD if i == 0 else Phase.OPTIMIZER, Kind.REPLAYED,
+                       local=ErrorStats(max_abs=1e-6, max_ulp=ulp, rel_norm=1e-7, n=8),
+                       budget=BudgetInfo("matmul" if i == 0 else "default", used, guess), dtype="torch.float32",
+                       shape=(2, 4)))
+    return rep
+
+
+def test_ops_without_a_derived_budget_come_after_and_never_make_the_verdict():
+    """shadow compare (issue 53): a guessed op's ulps that grew 4.7e+10x (a result that cancels, a correct kernel)
+    are listed after the ops held to derived budgets, apart, and the verdict is about the judged ones."""
+    cmp = diff_reports(_run(0.1, 2.25e4), _run(0.5, 1.06e15))
+    worse = cmp.worse("op")
+    assert [c.key for c in worse] == ["aten.mm.default", "aten._fused_adamw_.default"]
+    assert [c.judged for c in worse] == [True, False] and worse[1].own_factor > worse[0].own_factor
+    text = cmp.lines
+    judged = text.index("own error worse in B, by op (A -> B):")
+    apart = text.index("not judged (no derived budget), local ulp worse in B, by op (A -> B):")
+    assert judged < apart and text[judged + 1].lstrip().startswith("aten.mm.default")
+    assert "ulp (no derived budget)" in text[apart + 1] and "aten._fused_adamw_" in text[apart + 1]
+    assert cmp.verdict == "verdict: B is worse: the own error of 1 op class grew 2x or more: aten.mm 5x"
+    assert [c.op for c in cmp.calls] == ["aten.mm.default", "aten._fused_adamw_.default"]  # judged calls first
+
+    only = diff_reports(_run(0.1, 2.25e4), _run(0.1, 1.06e15))  # only the guessed op moved
+    assert only.verdict == ("verdict: no op held to a derived budget got worse; 1 op class without one read more "
+                            "ulps in B, which is no evidence (not judged): aten._fused_adamw_")

@@ -238,3 +238,20 @@ def test_page_in_headless_chromium(page, tmp_path):
     rows = np.flatnonzero(red.any(axis=1))
     plot = pixels[rows.min() - 300:rows.max() + 50]  # the budget plot and what is above it: the drift plot
     assert (plot < 0.95).any(axis=-1).mean() > 0.05  # not white: axes, labels, bands, bars
+
+
+def test_tables_rank_guessed_ops_after_derived_ones():
+    """An op no budget rule knows (a guess: no evidence) ranks below those held to derived budgets, even an exact
+    one, however many ulps it reads; its budget cell says ?, and the verdict does not count it as judged."""
+    from shadow.metrics import ErrorStats
+    from shadow.records import BudgetInfo
+
+    rep = Report()
+    for i, (op, ulp, guess) in enumerate([("aten._fused_adamw_.default", 2.25e4, True),
+                                          ("aten.clone.default", 0.0, False)]):
+        rep.add(Record(i, op, "Net", Phase.OPTIMIZER, Kind.REPLAYED, local=ErrorStats(max_ulp=ulp, n=4),
+                       budget=BudgetInfo("default" if guess else "movement", ulp / 4, guess), dtype="torch.float32"))
+    per_op = _section(shadow.html.render(rep), "Per op")
+    assert per_op.index("<td>aten.clone.default</td>") < per_op.index("<td>aten._fused_adamw_.default</td>")
+    assert '">?</td>' in per_op
+    assert "not judged: 1 call of aten._fused_adamw_" in shadow.html.render(rep)

@@ -118,8 +118,33 @@ def test_bits_figure_places_each_rounding_op_class(report):
     within = next(c for c in ax.collections if c.get_gid() == "bits:within").get_offsets()
     assert len(over) == 2 and len(over) + len(within) == len(rounding)
     assert all(9 <= b <= 11 and u > 1 for b, u in over) and all(b > 18 and u <= 1 for b, u in within)
-    assert {t.get_text() for t in ax.texts} >= {"mm", "addmm", " bfloat16", " float16 / TF32", " float32"}
+    assert {t.get_text() for t in ax.texts} == {"mm", "addmm"}  # the classes over budget, named
+    # the formats' lines are named on a top axis, above the points, where no cluster can hide a name
+    (top,) = ax.child_axes
+    assert [t.get_text() for t in top.get_xticklabels()] == ["bfloat16", "float16 / TF32", "float32"]
+    assert list(top.get_xticks()) == [7, 10, 23]
     assert ax.get_yscale() == "log"
+
+
+def _unnamed(index: int, callsite: str) -> Record:
+    return Record(index, "aten.mul.Tensor", "", Phase.OTHER, Kind.REPLAYED, drift=ErrorStats(rel_norm=1e-7, n=4),
+                  dtype="torch.float32", shape=(2,), callsite=callsite)
+
+
+def test_drift_figure_names_runs_without_modules_by_their_call_site():
+    """A model of plain tensors (makemore's) runs no call in a named module: the top axis names its longest runs
+    by the user's line that made them, never "(none)"; with neither modules nor call sites it is left out."""
+    rep = Report()
+    for i in range(30):
+        rep.add(_unnamed(i, "/home/u/makemore.py:12" if i < 20 else "/home/u/makemore.py:40"))
+    fig = plots.drift_figure(rep)
+    (top,) = fig.axes[0].child_axes
+    assert [t.get_text() for t in top.get_xticklabels()] == ["makemore.py:12", "makemore.py:40"]
+    assert list(top.get_xticks()) == [9.5, 24.5] and top.get_xlabel() == "call site"
+    rep = Report()
+    for i in range(5):
+        rep.add(_unnamed(i, ""))
+    assert plots.drift_figure(rep).axes[0].child_axes == []
 
 
 def test_drift_figure_marks_where_a_nan_finding_is_born():
@@ -209,3 +234,6 @@ def test_trajectory_figure_plots_the_loss_and_the_parameters_per_step():
     assert "parameters" in labels and ax.get_yscale() == "log"
     params = next(line for line in ax.get_lines() if line.get_label() == "parameters")
     assert list(params.get_xdata()) == [t.step for t in sm.report.trajectory if t.params > 0]
+    ax.figure.canvas.draw()  # the ticks as drawn: steps are whole numbers, so is every tick
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks)

@@ -2,9 +2,9 @@
 values, every malformed or hostile input is refused with a ``ReportFormatError`` naming the field and its path, and
 a save is whole or not at all.
 
-``tests/reports/vN.json`` are saved reports of format versions 1 to 7 of one small training step (every phase, spot
+``tests/reports/vN.json`` are saved reports of format versions 1 to 8 of one small training step (every phase, spot
 checks, budgets, CPU comparisons, ``.item()``, an infinity, an unobserved write, a trajectory, records capped; v7
-merged from two ranks), and ``vN.loaded.json`` what the loader before the format's schema read from each
+and v8 merged from two ranks), and ``vN.loaded.json`` what the loader before the format's schema read from each
 (``tests/reports/make.py`` wrote both). The fuzz mutates and truncates them: 200 cases in the default run, 10,000
 in the slow one; nothing but a ReportFormatError may escape, and what loads saves and loads back the same.
 """
@@ -55,13 +55,24 @@ def test_every_version_loads_with_the_same_values(version):
     if version < 5:  # saved as 4 now (the loader before the schema wrote 7 with no cells, losing the aggregates)
         assert (got.pop("version"), want.pop("version")) == (4, 7)
         assert [want.pop(name) for name in ("cells", "per_rank", "trajectory")] == [[], [], []]
+    elif version < 8:  # saved as the current version, its aggregates with guessed calls counted as none
+        assert (got.pop("version"), want.pop("version")) == (reportformat.VERSION, 7)
+    if version < 8:
+        assert {agg.pop("guessed_calls") for agg in _aggregates(got)} == {0}
     assert got == want
     assert rep.records and rep.coverage.calls > len(rep.records) and rep.dropped_records > 0
     assert rep.table()  # the views work on what was read
 
 
+def _aggregates(d: dict) -> list[dict]:
+    """Every aggregate of a saved report: its cells', its ranks' cells', by op and by module."""
+    cells = [c["aggregate"] for c in d.get("cells", ())]
+    cells += [c["aggregate"] for r in d.get("per_rank", ()) for c in r["cells"]]
+    return cells + list(d["by_op"].values()) + list(d["by_module"].values())
+
+
 def test_the_fixtures_cover_what_a_record_holds():
-    rep = load_report(_path(7))
+    rep = load_report(_path(reportformat.VERSION))
     recs = rep.records
     assert any(r.item is not None and math.isinf(r.item[0]) for r in recs)  # .item() of an infinity
     assert any(r.spot is not None and r.spot.checked for r in recs) and any(r.cpu is not None for r in recs)
@@ -96,7 +107,7 @@ def test_a_loaded_report_saves_and_loads_back_the_same(tmp_path, version):
 
 # --- malformed and hostile input: a ReportFormatError naming the field and its path ---
 def _good() -> dict:
-    return json.loads(_text(7))
+    return json.loads(_text(reportformat.VERSION))
 
 
 def _refused(d, says: str) -> None:
@@ -176,7 +187,7 @@ def test_fields_unknown_missing_or_of_other_versions():
     d = _good()
     d["surplus"] = []
     _refused(d, r"^the report: unknown field 'surplus'$")
-    for version in (True, 7.0, "7", 0, 8):
+    for version in (True, 7.0, "7", 0, reportformat.VERSION + 1):
         _refused(dict(_good(), version=version), "cannot be read by this shadow")
     d = json.loads(_text(4))
     d["trajectory"] = "a field of version 6: unread in version 4"  # as before the schema

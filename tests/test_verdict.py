@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from shadow import ShadowMode
 from shadow.modes import TF32Mode
+from shadow.metrics import ErrorStats
 from shadow.records import BudgetInfo, Kind, Phase, Record
 from shadow.records import StepDrift
 from shadow.report import Report
-from shadow.tables import LEGEND
+from shadow.tables import LEGEND, MANY_ULPS, ORDER, cancels, number, ulp_cell
 from shadow.verdict import OpClass, arithmetic, conclude, op_class, times
 
 
@@ -48,9 +52,75 @@ def tf32():
 
 def test_all_clear(clean):
     v = conclude(clean)
-    assert not v.suspicious and v.over_budget == () and v.nonfinite is None
-    assert v.lines == [f"verdict: all {clean.coverage.replayed} replayed calls within their float32 budgets: "
+    assert not v.suspicious and v.over_budget == () and v.nonfinite is None and v.guessed == ()
+    derived = [r for r in clean.records if r.budget is not None and not r.budget.is_default]
+    assert v.budgeted == len(derived) and 0 < v.budgeted <= clean.coverage.replayed
+    assert v.lines == [f"verdict: all {len(derived)} calls held to derived budgets are within their float32 budgets: "
                        "nothing suspicious"]
+
+
+def _judged(i, op, used, guess=False, module="Net.fc"):
+    return Record(i, op, module, Phase.FORWARD, Kind.REPLAYED, budget=BudgetInfo("elementwise", used, guess),
+                  dtype="torch.float32", local=ErrorStats(max_abs=1e-7, max_ulp=used * 4, rel_norm=1e-7, n=4))
+
+
+def test_a_guessed_budget_is_never_counted_as_judged():
+    """Calls of ops no rule knows, held only to the default guess, are neither within nor over: the all-clear
+    counts the derived ones, and a line names the rest."""
+    rep = Report()
+    rep.add(_judged(0, "aten.exp.default", 0.5))
+    for i in range(1, 7):
+        rep.add(_judged(i, "aten._fused_adamw_.default", 3e3, guess=True))  # 1.2e4 ulps: over its guess, no finding
+    rep.add(_judged(7, "aten.mkldnn_rnn_layer.default", 0.1, guess=True))
+    v = conclude(rep)
+    assert v.budgeted == 1 and v.guessed == (("aten._fused_adamw_", 6), ("aten.mkldnn_rnn_layer", 1))
+    assert not v.suspicious and v.over_budget == ()
+    assert v.lines == [
+        "verdict: all 1 calls held to derived budgets are within their float32 budgets: nothing suspicious",
+        "not judged: 7 calls of aten._fused_adamw_, aten.mkldnn_rnn_layer (no budget rule: the few ulps guessed for "
+        "them are no evidence, so they are neither over nor within)"]
+    assert rep.by_op["aten._fused_adamw_.default"].guessed_calls == 6
+    assert rep.by_op["aten._fused_adamw_.default"].budgeted_calls == 0
+    assert rep.by_module["Net.fc"].guessed_calls == 7 and rep.by_module["Net.fc"].budgeted_calls == 1
+
+    only = Report()  # nothing derived: no all-clear
+    for i in range(3):
+        only.add(_judged(i, "aten._fused_adamw_.default", 0.1, guess=True))
+    v = conclude(only)
+    assert not v.suspicious and "nothing suspicious" not in v.text
+    assert v.lines[0] == ("verdict: 3 replayed calls, none held to a derived error budget: their local errors are "
+                          "not judged")
+    assert v.lines[1].startswith("not judged: 3 calls of aten._fused_adamw_ (no budget rule")
+
+    over = Report()  # a finding and a guess: both said, the guess apart
+    over.add(_judged(0, "aten.mm.default", 40.0))
+    over.add(_judged(1, "aten._fused_adamw_.default", 0.1, guess=True))
+    v = conclude(over)
+    assert v.suspicious and [c.op for c in v.over_budget] == ["aten.mm"] and v.guessed == (("aten._fused_adamw_", 1),)
+    assert v.lines[-1].startswith("not judged: 1 call of aten._fused_adamw_")
+
+
+@torch.library.custom_op("shadowtest::shifted", mutates_args=())
+def shifted(x: torch.Tensor) -> torch.Tensor:
+    """An op no budget rule can know (registered here): shadow replays it on its float64 CPU kernel, and judges
+    it by the default guess only."""
+    return x * 1.5 + 0.25
+
+
+def test_an_op_no_rule_knows_is_counted_apart_in_a_real_run():
+    x = torch.randn(8, 16)
+    with ShadowMode() as sm:
+        torch.relu(shifted(x @ torch.randn(16, 16))).sum()
+    guessed = [r for r in sm.report.records if r.budget is not None and r.budget.is_default]
+    derived = [r for r in sm.report.records if r.budget is not None and not r.budget.is_default]
+    assert [r.op for r in guessed] == ["shadowtest.shifted.default"] and derived
+    v = conclude(sm.report)
+    assert v.guessed == (("shadowtest.shifted", 1),) and v.budgeted == len(derived)
+    assert v.lines[0] == (f"verdict: all {len(derived)} calls held to derived budgets are within their float32 "
+                          "budgets: nothing suspicious")
+    assert v.lines[1].startswith("not judged: 1 call of shadowtest.shifted (no budget rule")
+    row = next(line for line in sm.report.table().splitlines() if line.startswith("shadowtest.shifted.default"))
+    assert row.split()[3] == "?"  # op, calls, local ulp, budget: a guess, said as such
 
 
 def test_tf32_matmuls_over_budget_read_ten_bits(tf32):
@@ -174,7 +244,7 @@ def test_coverage_notes():
     v = conclude(rep)
     assert v.unsupported == (("aten.weird.default", "no float64 kernel"),) and v.unsupported_calls == 4
     assert v.lines == [
-        "verdict: all 1 replayed calls within their float32 budgets: nothing suspicious",
+        "verdict: all 1 calls held to derived budgets are within their float32 budgets: nothing suspicious",
         "not checked: 4 calls of 1 ops shadow cannot replay (device results adopted, drift restarts there): "
         "aten.weird.default (no float64 kernel)",
         "note: 1 internal errors of shadow (their ops adopted from the device, listed in the coverage): a bug in "
@@ -186,8 +256,8 @@ def test_coverage_notes():
 def test_summary_is_the_table_the_legend_and_the_verdict(tf32):
     text = tf32.summary(top=3)
     table = tf32.table(top=3)
-    assert text.startswith(table + f"\n(3 of {len(tf32.by_op)} rows)\n\nrows: worst budget use first, then worst "
-                           "local ulp, then worst drift; columns:\n  op         the aten op overload\n")
+    assert text.startswith(table + f"\n(3 of {len(tf32.by_op)} rows)\n\nrows: {ORDER}; columns:\n"
+                           "  op         the aten op overload\n")
     for name in table.splitlines()[0].split("  "):
         if name.strip():
             assert f"\n  {name.strip():<9}  " in text  # every column of the table explained
@@ -222,3 +292,36 @@ def test_summary_drawn_by_rich(tf32):
     assert "\x1b[" in tf32.summary(top=4, rich=True, color=True)
     narrow = tf32.summary(top=4, rich=True, width=60)
     assert "…" not in narrow  # a long op name folds onto another line, never cut
+
+
+def test_many_ulps_a_derived_budget_allows_are_marked_c():
+    """A product whose terms cancel (issue 53: the demo's aten.mm read 9e+05 ulps beside budget 0.22): its error, the
+    correct kernel's, is many ulps of the tiny result; the cell says so (c), the legend explains it."""
+    torch.manual_seed(0)
+    n = 512
+    a, b0 = torch.randn(4, n), torch.randn(n, 1)
+    a64 = a.double()
+    # a column nearly orthogonal to a's first row: the exact (0, 1) element is tiny against its terms
+    b1 = (b0.double() - a64[0:1].T * (a64[0] @ b0.double()) / (a64[0] @ a64[0])).float()
+    b = torch.cat([b0, b1], 1)
+    device = a @ b  # outside ShadowMode: the same bits (shadow never changes what the device computes)
+    exact = a64 @ b.double()
+    err = (device.double() - exact).abs()
+    spacing = torch.tensor([2.0 ** (math.frexp(v)[1] - 24) for v in exact.abs().flatten().tolist()]).view(exact.shape)
+    direct_ulp = (err / spacing).max().item()  # float32 ulps at the exact value, computed without shadow
+    ratio = ((a64.abs() @ b.double().abs()) / exact.abs()).max().item()
+    assert ratio > 1e3 and direct_ulp > MANY_ULPS
+    assert direct_ulp <= n * ratio  # the kernel errs by at most ~n u sum|terms|: n * ratio ulps of the result
+
+    with ShadowMode() as sm:
+        a @ b
+    agg = sm.report.by_op["aten.mm.default"]
+    (rec,) = sm.report.find(op="aten.mm.default")
+    assert agg.max_local_ulp_nonzero == pytest.approx(direct_ulp, rel=1e-6)
+    assert rec.budget.used <= 1 and not rec.budget.is_default and agg.zero_reference_calls == 0
+    assert cancels(agg) and ulp_cell(agg) == f"{number(agg.max_local_ulp_nonzero)} c"
+    assert "c: over 16 ulps yet within a derived budget" in LEGEND["local ulp"]
+    # the mark needs a derived budget that allows it: not over it, nor a guess
+    assert not cancels(dataclasses.replace(agg, over_budget_calls=1))
+    assert not cancels(dataclasses.replace(agg, guessed_calls=1))
+    assert not cancels(dataclasses.replace(agg, max_local_ulp_nonzero=MANY_ULPS))

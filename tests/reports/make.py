@@ -1,10 +1,10 @@
-"""Writes the saved reports of every format version this shadow reads (``v1.json`` to ``v7.json``) and what the
+"""Writes the saved reports of every format version this shadow reads (``v1.json`` to ``v8.json``) and what the
 loader read from each (``vN.loaded.json``: ``Report.to_dict()`` of the loaded report, saved as ``Report.save``
 writes it). tests/test_report_format.py loads them (every version keeps loading, with the same values) and fuzzes
-them. They were written once, by the loader before the format's schema (commit 2e19a34): run this again only to
-add a version, and keep the older files as they are.
+them. Versions 1 to 7 were written once, by the loader before the format's schema (commit 2e19a34): run this again
+only to add a version, naming it, and keep the older files as they are.
 
-    PYTHONPATH=. python tests/reports/make.py tests/reports
+    PYTHONPATH=. python tests/reports/make.py tests/reports 8
 """
 
 from __future__ import annotations
@@ -47,8 +47,14 @@ def run(rank: int) -> shadow.Report:
 def versions() -> dict[int, dict]:
     ranks = [run(0), run(1)]
     merged = shadow.merge_reports(ranks)
-    out = {7: merged.to_dict()}
+    out = {8: merged.to_dict()}
+    d = copy.deepcopy(out[8])
+    for agg in _aggregates(d):  # 8 added the calls judged by a guessed budget
+        del agg["guessed_calls"]
+    out[7] = d
     d = ranks[0].to_dict()
+    for agg in _aggregates(d):
+        del agg["guessed_calls"]
     del d["per_rank"]
     out[6] = copy.deepcopy(d)
     del d["trajectory"]
@@ -80,13 +86,21 @@ def versions() -> dict[int, dict]:
     return out
 
 
+def _aggregates(d: dict) -> list[dict]:
+    """Every aggregate of a saved report: its cells', its ranks' cells', by op and by module."""
+    cells = [c["aggregate"] for c in d["cells"]] + [c["aggregate"] for r in d.get("per_rank", ()) for c in r["cells"]]
+    return cells + list(d["by_op"].values()) + list(d["by_module"].values())
+
+
 def encoded(d: dict) -> str:
     """``d`` as ``Report.save`` writes it (non-finite figures as "inf", "-inf", "nan"), compact."""
     return json.dumps(reportformat.saved(d), separators=(",", ":"))
 
 
-def main(folder: str) -> None:
+def main(folder: str, *only: int) -> None:
     for v, d in versions().items():
+        if only and v not in only:
+            continue
         with open(os.path.join(folder, f"v{v}.json"), "w") as f:
             f.write(encoded(d) + "\n")
         loaded = shadow.load_report(os.path.join(folder, f"v{v}.json"))
@@ -95,4 +109,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:]))
