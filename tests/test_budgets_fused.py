@@ -82,7 +82,7 @@ def _mlp(dtype):
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8)).to(dtype)
 
 
-def _train(model, make, steps=3, fault=None):
+def _train(model, make, steps=2, fault=None):
     opt = make(list(model.parameters()))
     x, y = torch.randn(32, 16, dtype=next(model.parameters()).dtype), torch.randn(32, 8)
     with FaultMode(rel=fault[1], op=fault[0]) if fault else _nothing(), ShadowMode() as sm:
@@ -109,7 +109,7 @@ def _calls(report, op):
 def test_fused_optimizer_float32_within_budget_and_fault_over(name):
     make, op = OPTIMIZERS[name]
     calls = _calls(_train(_mlp(torch.float32), make), op)
-    assert len(calls) == 3
+    assert len(calls) == 2
     for r in calls:
         assert not r.budget.is_default and r.budget.family == "elementwise"
         assert r.budget.used <= 1, (name, r.budget.used)
@@ -133,7 +133,7 @@ def _drops_bf16_update(make):
 def test_fused_optimizer_bfloat16(name):
     make, op = OPTIMIZERS[name]
     calls = _calls(_train(_mlp(torch.bfloat16), make), op)
-    assert len(calls) == 3 and not any(r.budget.is_default for r in calls)
+    assert len(calls) == 2 and not any(r.budget.is_default for r in calls)
     if _drops_bf16_update(make):  # a broken kernel: the budget finds it
         assert all(r.over_budget for r in calls), [r.budget.used for r in calls]
     else:
@@ -156,7 +156,7 @@ def _lm_step(rnn, fault=None):
     torch.manual_seed(0)
     model = LM(rnn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    tokens = torch.randint(0, 40, (4, 12))
+    tokens = torch.randint(0, 40, (3, 6))
     reference = copy.deepcopy(model)
     seen = []
     model.rnn.register_forward_hook(lambda m, inputs, out: seen.append(out[0]))
