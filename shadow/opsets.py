@@ -123,6 +123,7 @@ VIEW_COPIES = frozenset({
     "transpose_copy", "squeeze_copy", "unsqueeze_copy", "diagonal_copy", "select_copy", "slice_copy",
     "split_copy", "split_with_sizes_copy", "unbind_copy", "as_strided_copy", "_reshape_copy",
     "_nested_view_from_buffer_copy",
+    "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk",  # views their schema does not declare (GRU's gates)
 })
 # Exact selections: each result element is an input value, chosen by comparison, or an exact function of
 # one (sign, magnitude, integer part); the only rounding is of a Python scalar or a cast to the result.

@@ -11,7 +11,8 @@ torch accumulates in, float32 for the halves). Families, one module each:
   short sums (pooling, scatter, interpolation) at u;
 - ``linalg``: gamma_K(ua) * |A||B| for matmuls and convolutions, FFTs, and ``unbounded`` (inf) for
   solves and factorizations; ``normalization``, ``losses``, ``attention``, ``optimizer`` (add with
-  alpha, addcmul, addcdiv, lerp, foreach); ``recurrent``: the fused LSTM and GRU cells;
+  alpha, addcmul, addcdiv, lerp, foreach, the fused optimizers); ``recurrent``: the fused LSTM and GRU cells and
+  oneDNN's LSTM layers;
 - ``transformer``: nn.TransformerEncoderLayer's fused kernel, composed to first order from its stages' budgets;
 - ``default``: an op no rule knows: ``DEFAULT_ULPS`` ulps of the result, ``is_default=True``.
 

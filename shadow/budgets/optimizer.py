@@ -10,7 +10,9 @@ parameter, every step) and the ``_foreach_X`` ops, whose elements go to X's rule
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import math
+from typing import Any, Callable
 
 import torch
 
@@ -19,6 +21,7 @@ from ..plan import OpPlan
 from .core import (Budget, BudgetCall, budget_for, coefficient, foreach_base, magnitude, overloads,
                    register_budget, register_budget_predicate)
 from .elementwise import ULPS, with_operand_term
+from .rounded import constant, exact
 
 ARITH_ULPS = ULPS["arith"]
 
@@ -108,3 +111,135 @@ def foreach_budget(c: BudgetCall) -> Budget:
                   ulps=ulps.pop() if len(ulps) == 1 else None,
                   scale_sq=lambda: tuple(map(sum, zip(*(b.scales() for b in subs)))),
                   formulas=lambda: [b.divisors[0] for b in subs])
+
+
+# --- fused optimizers (Adam(W), SGD, Adagrad with fused=True): one elementwise step per parameter, bounded by its
+# chain of roundings. Each step as aten's CPU kernel orders it (aten/src/ATen/native/cpu/Fused{Adam,SGD,Adagrad}
+# Kernel.cpp, the vectorized loop), written once on numbers: ``k(x)`` is a constant x as the kernel holds it in the
+# compute type, ``ks(x)`` one it rounds to the parameter's dtype first (``fVec(scalar_t(momentum))``). The budget
+# runs the steps on ``Rounded`` values; on float64 tensors they are the float64 kernel (tests check it).
+def adam_step(p, g, m, v, vmax, k, *, lr, beta1, beta2, weight_decay, eps, step, amsgrad, maximize, adamw,
+              grad_scale=None):
+    """(param, grad or None where unscaled, exp_avg, exp_avg_sq, max_exp_avg_sq) after one Adam(W) step."""
+    if grad_scale is not None:
+        g = g / grad_scale
+    g_out = None if grad_scale is None else g
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if adamw:
+            p = p * k(1 - lr * weight_decay)
+        else:
+            g = g + p * k(weight_decay)
+    w = 1 - beta1  # exp_avg.lerp_(grad, w), from the nearer end
+    m = m + k(w) * (g - m) if abs(w) < 0.5 else g - (g - m) * (1 - k(w))
+    v = v * k(beta2) + k(1 - beta2) * g * g
+    if amsgrad:
+        vmax = vmax.maximum(v)
+    denom = (vmax if amsgrad else v).sqrt() / k(math.sqrt(1 - beta2 ** step)) + k(eps)
+    return p + k(-lr / (1 - beta1 ** step)) * m / denom, g_out, m, v, vmax
+
+
+def sgd_step(p, g, buf, k, ks, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step,
+             grad_scale=None):
+    """(param, grad or None where unscaled, momentum buffer or None without momentum) after one SGD step."""
+    if grad_scale is not None:
+        g = g / grad_scale
+    g_out = None if grad_scale is None else g
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        g = g + p * ks(weight_decay)
+    if momentum != 0:
+        buf = g if is_first_step else buf * ks(momentum) + g * ks(1 - dampening)
+        g = g + buf * ks(momentum) if nesterov else buf
+    else:
+        buf = None
+    return p + g * ks(-lr), g_out, buf
+
+
+def adagrad_step(p, g, state_sum, k, ks, *, lr, lr_decay, weight_decay, eps, step, maximize, grad_scale=None):
+    """(param, grad or None where unscaled, state_sum) after one Adagrad step."""
+    if grad_scale is not None:
+        g = g / grad_scale
+    g_out = None if grad_scale is None else g
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        g = g + p * ks(weight_decay)
+    state_sum = state_sum + g * g
+    clr = lr / (1 + (step - 1) * lr_decay)
+    return p - ks(clr) * g / (state_sum.sqrt() + ks(eps)), g_out, state_sum
+
+
+def _adam(c: BudgetCall, i: int, k: Callable, ks: Callable, grad_scale: float | None, adamw: bool) -> tuple:
+    a = c.a
+    vmax = exact(a["max_exp_avg_sqs"][i], c.ua) if a["amsgrad"] else None
+    return adam_step(*(exact(a[n][i], c.ua) for n in ("self", "grads", "exp_avgs", "exp_avg_sqs")), vmax, k,
+                     lr=float(a["lr"]), beta1=a["beta1"], beta2=a["beta2"], weight_decay=a["weight_decay"],
+                     eps=a["eps"], step=float(a["state_steps"][i]), amsgrad=a["amsgrad"], maximize=a["maximize"],
+                     adamw=adamw, grad_scale=grad_scale)
+
+
+def _sgd(c: BudgetCall, i: int, k: Callable, ks: Callable, grad_scale: float | None) -> tuple:
+    a = c.a
+    bufs = a["momentum_buffer_list"]
+    return sgd_step(exact(a["self"][i], c.ua), exact(a["grads"][i], c.ua), exact(bufs[i], c.ua) if bufs else None,
+                    k, ks, weight_decay=a["weight_decay"], momentum=a["momentum"], lr=float(a["lr"]),
+                    dampening=a["dampening"], nesterov=a["nesterov"], maximize=a["maximize"],
+                    is_first_step=a["is_first_step"], grad_scale=grad_scale)
+
+
+def _adagrad(c: BudgetCall, i: int, k: Callable, ks: Callable, grad_scale: float | None) -> tuple:
+    a = c.a
+    return adagrad_step(*(exact(a[n][i], c.ua) for n in ("self", "grads", "state_sums")), k, ks, lr=float(a["lr"]),
+                        lr_decay=a["lr_decay"], weight_decay=a["weight_decay"], eps=a["eps"],
+                        step=float(a["state_steps"][i]), maximize=a["maximize"], grad_scale=grad_scale)
+
+
+# packet -> (its step on element i of the lists, the lists the step returns in order)
+_ADAM_LISTS = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
+_FUSED_STEPS = {
+    "_fused_adam": (functools.partial(_adam, adamw=False), _ADAM_LISTS),
+    "_fused_adamw": (functools.partial(_adam, adamw=True), _ADAM_LISTS),
+    "_fused_sgd": (_sgd, ("self", "grads", "momentum_buffer_list")),
+    "_fused_adagrad": (_adagrad, ("self", "grads", "state_sums")),
+}
+
+
+def _written_lists(c: BudgetCall) -> list[str]:
+    """The argument lists whose tensors ``c.outputs`` holds, in order: the functional variants' returns, or the
+    written arguments (an out= variant's ``out`` holds the parameters)."""
+    if c.func._schema.returns:
+        return [r.name.removesuffix("_out") for r in c.func._schema.returns]
+    return ["self" if spec.name == "out" else spec.name for spec in c.plan.writes]
+
+
+@register_budget(*overloads(*_FUSED_STEPS), family=Family.ELEMENTWISE)
+def fused_optimizer_budget(c: BudgetCall) -> Budget:
+    """Each written tensor's bound carried element by element through the step's roundings, each at ``ua`` (the
+    compute type's unit roundoff, float32 for the halves), the square root and the division as one rounding each,
+    the constants as the kernel rounds them; then one rounding to the parameter's dtype where it is narrower. A
+    call that ``found_inf`` skips writes what it read: bound 0."""
+    a = c.a
+    step, returned = _FUSED_STEPS[c.plan.base.removesuffix("_")]
+    names = _written_lists(c)
+
+    def bounds() -> list:
+        found_inf, scale = a.get("found_inf"), a.get("grad_scale")
+        skipped = found_inf is not None and float(found_inf) != 0
+        k = functools.partial(constant, u=c.ua, ua=c.ua)
+        ks = functools.partial(constant, u=c.u, ua=c.ua)
+        chains: dict[str, list] = {n: [] for n in names}
+        for i, param in enumerate(a["self"]):
+            results = (None,) * len(returned) if skipped else \
+                step(c, i, k, ks, None if scale is None else float(scale))
+            for name, r in zip(returned, results):
+                if name in chains and i < len(a[name]):
+                    chains[name].append(torch.zeros_like(a[name][i]) if r is None else r.bound(c.u, c.ua))
+        for name in names:  # lists the step never writes (Adagrad's state_steps): as read
+            if name not in returned:
+                chains[name] = [torch.zeros_like(t) for t in a[name]]
+        return [b for n in names for b in chains[n]]
+
+    return c.budget(bounds)

@@ -1,0 +1,241 @@
+"""Budgets of the fused optimizers (``_fused_adam(w)_``, ``_fused_sgd_``, ``_fused_adagrad_``) and of oneDNN's LSTM
+layers (``mkldnn_rnn_layer`` and its backward), held to the CPU kernels: correct kernels within budget, a fault of
+known size (FaultMode) a few times the bound's relative size over it, and the layer's figures against a float64 copy
+of the model run without shadow."""
+
+from __future__ import annotations
+
+import copy
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shadow import ShadowMode
+from shadow.budgets.optimizer import adagrad_step, adam_step, sgd_step
+from shadow.modes.faults import FaultMode
+
+aten = torch.ops.aten
+HAS_MKLDNN_RNN = hasattr(aten, "mkldnn_rnn_layer")
+
+
+def _identity(x):
+    return x
+
+
+# --- the steps as written match the float64 kernels they transcribe (no shadow) ---
+def _lists(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g, dtype=torch.float64) for _ in range(5)]
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_step_is_the_kernel(adamw, amsgrad):
+    p, g, m, v, vmax = _lists(100, 0)
+    v, vmax = v.abs(), vmax.abs()
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=amsgrad, maximize=True)
+    want = adam_step(p, g, m, v, vmax, _identity, step=3.0, adamw=adamw, grad_scale=2.0, **kw)
+    steps = [torch.tensor(3.0)]
+    state = [t.clone() for t in (p, g, m, v, vmax)]
+    op = aten._fused_adamw_ if adamw else aten._fused_adam_
+    op(*([t] for t in state[:4]), state[4:] if amsgrad else [], steps, grad_scale=torch.tensor(2.0), **kw)
+    for got, ref in zip(state, want):
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_and_adagrad_steps_are_the_kernels(nesterov):
+    p, g, buf, s, _ = _lists(100, 1)
+    kw = dict(weight_decay=0.1, momentum=0.9, lr=0.1, dampening=0.0, nesterov=nesterov, maximize=False,
+              is_first_step=False)
+    want = sgd_step(p, g, buf, _identity, _identity, **kw)
+    state = [t.clone() for t in (p, g, buf)]
+    aten._fused_sgd_(*([t] for t in state), **kw)
+    for got, ref in zip(state, want):
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-14, atol=1e-15)
+    kw = dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, eps=1e-10, maximize=False)
+    want = adagrad_step(p, g, s.abs(), _identity, _identity, step=4.0, **kw)
+    state = [p.clone(), g.clone(), s.abs()]
+    aten._fused_adagrad_(*([t] for t in state), [torch.tensor(4.0)], **kw)
+    torch.testing.assert_close(state[0], want[0], rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(state[2], want[2], rtol=1e-14, atol=1e-15)
+
+
+# --- the optimizers under ShadowMode ---
+OPTIMIZERS = {
+    "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, fused=True), "_fused_adam_"),
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), "_fused_adamw_"),
+    "adamw-amsgrad": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, fused=True), "_fused_adamw_"),
+    "sgd-momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=True),
+                     "_fused_sgd_"),
+    "sgd-nesterov": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+                     "_fused_sgd_"),
+    "adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=1e-3, fused=True), "_fused_adagrad_"),
+}
+
+
+def _mlp(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8)).to(dtype)
+
+
+def _train(model, make, steps=2, fault=None):
+    opt = make(list(model.parameters()))
+    x, y = torch.randn(32, 16, dtype=next(model.parameters()).dtype), torch.randn(32, 8)
+    with FaultMode(rel=fault[1], op=fault[0]) if fault else _nothing(), ShadowMode() as sm:
+        for _ in range(steps):
+            opt.zero_grad()
+            F.mse_loss(model(x).float(), y).backward()
+            opt.step()
+    return sm.report
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _calls(report, op):
+    return [r for r in report.records if r.op.startswith(f"aten.{op}.")]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_optimizer_float32_within_budget_and_fault_over(name):
+    make, op = OPTIMIZERS[name]
+    calls = _calls(_train(_mlp(torch.float32), make), op)
+    assert len(calls) == 2
+    for r in calls:
+        assert not r.budget.is_default and r.budget.family == "elementwise"
+        assert r.budget.used <= 1, (name, r.budget.used)
+        assert r.local.effective_bits is None or r.local.effective_bits > 20, r.local
+    # a relative fault of 1e-4, some 100x the budget's relative size of a few float32 roundings
+    faulted = _calls(_train(_mlp(torch.float32), make, fault=(op, 1e-4)), op)
+    assert all(r.over_budget for r in faulted), [r.budget.used for r in faulted]
+    assert all(r.local.effective_bits < 16 for r in faulted)
+
+
+def _drops_bf16_update(make):
+    """Whether the fused CPU kernel leaves a bfloat16 parameter of 64 elements unmoved by an update of ~6 ulps
+    (torch 2.13's vectorized bfloat16 SGD loop never writes the parameter): no shadow involved."""
+    p = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    p.grad = torch.full_like(p, 0.5)
+    make([p]).step()
+    return bool((p == 1).all())
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw-amsgrad", "sgd-momentum", "adagrad"])
+def test_fused_optimizer_bfloat16(name):
+    make, op = OPTIMIZERS[name]
+    calls = _calls(_train(_mlp(torch.bfloat16), make), op)
+    assert len(calls) == 2 and not any(r.budget.is_default for r in calls)
+    if _drops_bf16_update(make):  # a broken kernel: the budget finds it
+        assert all(r.over_budget for r in calls), [r.budget.used for r in calls]
+    else:
+        assert all(r.budget.used <= 1 for r in calls), [r.budget.used for r in calls]
+
+
+# --- nn.LSTM (oneDNN layers) and nn.GRU (decomposed) training steps ---
+class LM(nn.Module):
+    def __init__(self, rnn):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(40, 16), rnn, nn.Linear(24, 40)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.emb(tokens))[0])
+
+
+def _lm_step(rnn, fault=None):
+    """One fused AdamW step of a small LM under ShadowMode: (the mode, an untouched copy of the model, the tokens,
+    the recurrent layer's output)."""
+    torch.manual_seed(0)
+    model = LM(rnn)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    tokens = torch.randint(0, 40, (3, 6))
+    reference = copy.deepcopy(model)
+    seen = []
+    model.rnn.register_forward_hook(lambda m, inputs, out: seen.append(out[0]))
+    with FaultMode(rel=fault[1], op=fault[0]) if fault else _nothing(), ShadowMode() as sm:
+        logits = model(tokens)
+        F.cross_entropy(logits.reshape(-1, 40), tokens.reshape(-1)).backward()
+        opt.step()
+    return sm, reference, tokens, seen[0]
+
+
+def _rel(pairs):
+    """||device - reference|| / ||reference||, the largest over (device, reference) pairs, as a record merges its
+    outputs' figures."""
+    return max(float((d.detach().double() - r).norm() / r.norm()) for d, r in pairs)
+
+
+def _judged(report):
+    return [r for r in report.records if r.budget is not None and r.budget.family not in ("empty",)]
+
+
+@pytest.mark.skipif(not HAS_MKLDNN_RNN, reason="this torch has no aten.mkldnn_rnn_layer")
+def test_lstm_lm_step_judged_and_within_budget():
+    sm, reference, tokens, _ = _lm_step(nn.LSTM(16, 24, num_layers=2, batch_first=True))
+    report = sm.report
+    layers = _calls(report, "mkldnn_rnn_layer")
+    if not layers:
+        pytest.skip("nn.LSTM did not take oneDNN's layer kernel here")
+    assert len(layers) == 2 and len(_calls(report, "mkldnn_rnn_layer_backward")) == 2
+    judged = _judged(report)
+    assert not [r.op for r in judged if r.budget.is_default]
+    assert max(r.budget.used for r in judged) <= 1
+    # layer 0 reads the embedding's output exactly: its local error is what a float32 layer errs against a float64
+    # copy of it, both run without shadow
+    emb = reference.emb(tokens)
+    layer0 = nn.LSTM(16, 24, batch_first=True)
+    layer0.load_state_dict({k: v for k, v in reference.rnn.state_dict().items() if k.endswith("_l0")})
+    out32, (h32, c32) = layer0(emb)
+    out64, (h64, c64) = copy.deepcopy(layer0).double()(emb.double())
+    want = _rel([(out32, out64), (h32, h64), (c32, c64)])
+    assert 1e-8 < want < 1e-5
+    assert layers[0].local.rel_norm == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.skipif(not HAS_MKLDNN_RNN, reason="this torch has no aten.mkldnn_rnn_layer")
+@pytest.mark.parametrize("op", ["mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"])
+def test_lstm_layer_fault_over_budget(op):
+    sm, _, _, _ = _lm_step(nn.LSTM(16, 24, num_layers=2, batch_first=True), fault=(op, 1e-3))
+    calls = _calls(sm.report, op)
+    if not calls:
+        pytest.skip("nn.LSTM did not take oneDNN's layer kernel here")
+    assert all(r.over_budget and not r.budget.is_default for r in calls), [r.budget.used for r in calls]
+
+
+@pytest.mark.skipif(not HAS_MKLDNN_RNN, reason="this torch has no aten.mkldnn_rnn_layer")
+def test_bidirectional_lstm_within_budget():
+    torch.manual_seed(1)
+    lstm = nn.LSTM(8, 12, bidirectional=True)  # (T, B, I): batch_first=False
+    x = torch.randn(7, 3, 8)
+    with ShadowMode() as sm:
+        out, _ = lstm(x)
+        out.square().sum().backward()
+    calls = _calls(sm.report, "mkldnn_rnn_layer") + _calls(sm.report, "mkldnn_rnn_layer_backward")
+    if not calls:
+        pytest.skip("nn.LSTM did not take oneDNN's layer kernel here")
+    assert len(calls) == 4
+    assert all(not r.budget.is_default and r.budget.used <= 1 for r in calls), [r.budget for r in calls]
+
+
+def test_gru_lm_step_judged_and_within_budget():
+    sm, reference, tokens, out = _lm_step(nn.GRU(16, 24, num_layers=2, batch_first=True))
+    report = sm.report
+    judged = _judged(report)
+    assert not [r.op for r in judged if r.budget.is_default]
+    assert max(r.budget.used for r in judged) <= 1
+    # the GRU's float32 output against its shadow (float64 all along) is what the float32 model errs against a
+    # float64 copy of it run without shadow
+    ref64 = copy.deepcopy(reference).double()
+    out64 = ref64.rnn(ref64.emb(tokens))[0]
+    want = _rel([(out, out64)])
+    assert 1e-8 < want < 1e-5
+    assert _rel([(out, sm.shadow_of(out))]) == pytest.approx(want, rel=1e-3)
+    torch.testing.assert_close(sm.shadow_of(out), out64.detach(), rtol=1e-12, atol=1e-14)
