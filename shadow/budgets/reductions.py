@@ -459,22 +459,37 @@ def scatter_budget(c: BudgetCall) -> Budget:
 
 
 # Gradients of ops that read an input element several times (padding, nearest upsampling, max pooling): each
-# input's gradient is a sum of the output gradients that came from it, added in the device dtype. At most every
-# output element of a plane reaches one input: gamma over that count times the op on |grad_output|.
-GRADIENT_GATHERS = ("reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
-                    "replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward",
-                    "upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
+# input's gradient is a sum of the output gradients that came from it, added in the device dtype: gamma over the
+# most that reach one input, times the op on |grad_output|.
+PAD_BACKWARD = ("reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
+                "replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward")
+NEAREST_BACKWARD = ("upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
                     "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward",
-                    "_upsample_nearest_exact3d_backward", "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward",
-                    "fractional_max_pool2d_backward", "fractional_max_pool3d_backward")
+                    "_upsample_nearest_exact3d_backward")
+MAX_POOL_BACKWARD = ("adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "fractional_max_pool2d_backward",
+                     "fractional_max_pool3d_backward")
 
 
-@register_budget(*overloads(*GRADIENT_GATHERS), family=Family.REDUCTION)
-def gradient_gather_budget(c: BudgetCall) -> Budget:
+@register_budget(*overloads(*PAD_BACKWARD), family=Family.REDUCTION)
+def pad_backward_budget(c: BudgetCall) -> Budget:
+    """An element receives itself and its reflections or replications: at most left + right + 1 per dim."""
+    pad = list(c.a["padding"])
+    return _linear_sum(c, ["grad_output"], math.prod(pad[i] + pad[i + 1] + 1 for i in range(0, len(pad), 2)))
+
+
+@register_budget(*overloads(*NEAREST_BACKWARD), family=Family.REDUCTION)
+def nearest_backward_budget(c: BudgetCall) -> Budget:
+    """An input element was picked by at most ceil(out / in) + 1 outputs per dim."""
+    ins, outs = list(c.a["input_size"])[2:], list(c.a["output_size"])
+    return _linear_sum(c, ["grad_output"], math.prod(-(-o // max(i, 1)) + 1 for i, o in zip(ins, outs)))
+
+
+@register_budget(*overloads(*MAX_POOL_BACKWARD), family=Family.REDUCTION)
+def max_pool_gather_budget(c: BudgetCall) -> Budget:
+    """Overlapping windows may all pick one element: at most every output of its plane."""
     g = c.a["grad_output"]
-    d = next(int(k[0]) for k in ("1d", "2d", "3d") if k in c.plan.base)  # spatial dims
-    n = math.prod(g.shape[-d:]) if g.dim() >= d else max(g.numel(), 1)
-    return _linear_sum(c, ["grad_output"], n)
+    d = next(int(k[0]) for k in ("2d", "3d") if k in c.plan.base)
+    return _linear_sum(c, ["grad_output"], math.prod(g.shape[-d:]) if g.dim() >= d else max(g.numel(), 1))
 
 
 @register_budget(*overloads("renorm"), family=Family.REDUCTION)

@@ -20,6 +20,7 @@ from .core import Budget, BudgetCall, gamma, overloads, register_budget
 
 BILINEAR, NEAREST, BICUBIC = 0, 1, 2
 REFLECTION = 2
+CUBIC_WEIGHTS = 1.375  # max over t of sum |w_i(t)| for the cubic convolution kernel, A = -0.75
 
 
 def _pixel_coordinates(grid: torch.Tensor, sizes: list[int], align_corners: bool) -> torch.Tensor:
@@ -33,10 +34,11 @@ def _pixel_coordinates(grid: torch.Tensor, sizes: list[int], align_corners: bool
 @register_budget(*overloads("grid_sampler_2d", "grid_sampler_3d"), family=Family.ELEMENTWISE)
 def grid_sampler_budget(c: BudgetCall) -> Budget:
     """Each coordinate is off by ce = 4 u (|ix| + size) pixels after unnormalizing (8 u with reflection's
-    fmod); bilinear: 2**d weights, each a product of d factors off by ce + 2 u, on values <= max|x| of the
-    plane, plus their sum (gamma); bicubic: 4**d taps whose cubic weights move by <= 2 ce per dim (|w| sums to
-    <= 1.5 per dim); nearest: exact but where a coordinate is within ce of a half pixel, where it may pick the
-    neighbour (2 max|x|)."""
+    fmod). A weight is a product of one factor per dim; moving dim k's coordinate by ce changes the weights by at
+    most (sum over that dim's taps of |dw/dt|) * ce times the other dims' sum of |w|: bilinear 2 * 1, bicubic
+    (A = -0.75) 3 * 1.375**(d-1) (both maxima over t, measured on the cubic); plus 2 u per factor's rounding and
+    the sum of the taps (gamma, times sum|w|); all on values <= max|x| of the plane. Nearest: exact but where a
+    coordinate is within ce of a half pixel, where it may pick the neighbour (2 max|x|)."""
     a, r = c.a, c.out()
     x, grid = a["input"], a["grid"]
     d = grid.shape[-1]
@@ -50,10 +52,11 @@ def grid_sampler_budget(c: BudgetCall) -> Budget:
         if mode == NEAREST:
             moved = ((ix - ix.floor() - 0.5).abs() <= ce).any(-1).to(x.dtype)
             return [(2 * moved).unsqueeze(1) * vmax + c.final(r)]
-        worst = ce.amax(-1).unsqueeze(1)  # [N, 1, *out]
-        taps = 4 ** d if mode == BICUBIC else 2 ** d
-        weights = 1.5 ** d if mode == BICUBIC else 1.0
-        motion = taps * d * 2 * (worst + 2 * c.u) if mode == BICUBIC else taps * d * (worst + 2 * c.u)
-        return [(motion + gamma(taps + 2 * d + 2, c.u) * weights) * vmax + c.final(r)]
+        worst = ce.amax(-1).unsqueeze(1) + 2 * c.u  # [N, 1, *out]
+        cubic = mode == BICUBIC
+        slope, weights = (3.0, CUBIC_WEIGHTS) if cubic else (2.0, 1.0)
+        taps = 4 ** d if cubic else 2 ** d
+        motion = d * slope * weights ** (d - 1) * worst
+        return [(motion + gamma(taps + 2 * d + 2, c.u) * weights ** d) * vmax + c.final(r)]
 
     return c.budget(make)
