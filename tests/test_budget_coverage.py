@@ -3,7 +3,7 @@ samples, forward and backward, and of module_db's float32 training steps is judg
 default guess (``Budget.is_default``), but for the ops of ``GUESS_ALLOWED``, each with its reason.
 
 The sweeps run the samples as tests/test_budgets.py and tests/test_moduledb.py do (their helpers, imported); each
-takes minutes on two shared cores (op_db ~7.5 min for 12 samples of every entry; module_db ~3 min): ``slow``.
+takes minutes on two shared cores (measured on the loaded machine: op_db 8.8 min for 12 samples of every entry, module_db 4.2 min): ``slow``.
 The fast subset, the ops named in issue 53, is tests/test_budgets_ops.py.
 """
 
@@ -28,6 +28,8 @@ _PAIRWISE_BACKWARD = ("sum over the other points of g (x_i - x_j) |x_i - x_j|**(
                       "(not derived yet)")
 _HISTOGRAM = ("counts in bins whose edges the device computes itself (linspace in its dtype, then a local search), "
               "with weights and density: histc's edge-flip bound not extended to them yet")
+_CHUNKED = ("torch 2.13's chunked linear + log-softmax + nll returning the loss and its gradients at once (a Python "
+            "custom op): its matmuls', log-softmax's and nll's bounds composed per chunk: not derived yet")
 GUESS_ALLOWED: dict[str, str] = {
     "aten._pdist_backward.default": _PAIRWISE_BACKWARD,
     "aten._cdist_backward.default": _PAIRWISE_BACKWARD,
@@ -39,9 +41,8 @@ GUESS_ALLOWED: dict[str, str] = {
     "aten.histogram.bins_tensor": _HISTOGRAM,
     "aten._histogramdd_from_bin_cts.default": _HISTOGRAM,
     "aten._histogramdd_from_bin_tensors.default": _HISTOGRAM,
-    "torch_nn._linear_cross_entropy_batch_chunked.default": (
-        "torch 2.13's chunked linear + log-softmax + nll returning the loss and its gradients at once (a Python "
-        "custom op): its matmuls', log-softmax's and nll's bounds composed per chunk: not derived yet"),
+    "torch_nn._linear_cross_entropy_batch_chunked.default": _CHUNKED,
+    "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": _CHUNKED,
 }
 # budgets built on branch i-fused (the lead removes this set at merge)
 ON_BRANCH_I_FUSED = frozenset({"aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer_backward.default"})
