@@ -112,7 +112,8 @@ DATA_MOVEMENT = frozenset({
     "diagonal_backward", "diag_embed", "diag", "im2col", "channel_shuffle", "pixel_shuffle", "pixel_unshuffle",
     "native_channel_shuffle", "_unsafe_masked_index", "_unsafe_view", "_reshape_alias", "_to_dense", "to_dense",
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
-    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "block_diag", "_chunk_cat", "unsafe_split",
+    "unsafe_split_with_sizes", "masked_scatter_backward",
     # nested tensors packed from a padded batch or a list, and padded back
     "_nested_tensor_from_mask", "_nested_tensor_from_tensor_list", "_nested_from_padded",
     "_nested_from_padded_and_nested_example", "to_padded_tensor",
@@ -134,7 +135,8 @@ SELECTION = frozenset({
     "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d",
     "fractional_max_pool2d", "fractional_max_pool3d", "max_unpool2d", "max_unpool3d", "abs", "neg", "sign",
     "floor", "ceil", "trunc", "frac", "positive", "conj_physical", "copysign", "heaviside", "nan_to_num",
-    "complex",
+    "complex", "_unique", "_unique2", "unique_dim", "unique_consecutive", "hardshrink_backward",
+    "softshrink_backward",
 })
 # Ops that write only part of their destination (and may accumulate into it)
 PARTIAL_WRITES = frozenset({

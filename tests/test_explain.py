@@ -62,8 +62,9 @@ def test_a_view_a_random_op_the_default_budget_and_a_defined_region():
     dropout = explain("native_dropout.default")
     assert [(a.name, a.family) for a in dropout.replay] == [
         ("native_dropout_rule", "random"), ("random_rule", "random"), ("default_rule", None)]
-    histc = explain(aten.histc.default)  # no budget rule: the default guess, flagged
-    assert [(a.name, a.family) for a in histc.budget] == [("InUlps", "default")] and "a guess" in histc.budget[0].doc
+    histogram = explain(aten.histogram.bin_ct)  # no budget rule: the default guess, flagged
+    assert [(a.name, a.family) for a in histogram.budget] == [("InUlps", "default")] and \
+        "a guess" in histogram.budget[0].doc
     ctc = explain(aten._ctc_loss.default)
     assert ctc.defined[0].name == "ctc_loss_defined" and "every element" not in ctc.render()
 

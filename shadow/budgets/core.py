@@ -572,9 +572,9 @@ def register_budget(*ops: OpOverload, family: str | None = None,
     in-place op overwrites (its ``self``), so the engine need not copy it before the op.
 
     >>> with BUDGETS.scoped():
-    ...     _ = register_budget(aten.histc.default, family=Family.ELEMENTWISE, reads_overwritten=False)(
+    ...     _ = register_budget(aten.fix.default, family=Family.ELEMENTWISE, reads_overwritten=False)(
     ...         lambda c: c.ulps(2.0))
-    ...     reads_overwritten(aten.histc.default)
+    ...     reads_overwritten(aten.fix.default)
     False
     """
 

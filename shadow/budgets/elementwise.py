@@ -12,6 +12,7 @@ bfloat16 and float16 (tests/test_budgets.py).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ MOVEMENT = frozenset(overloads(*((DATA_MOVEMENT | VIEW_COPIES | SELECTION) - PAR
 ULPS = {"movement": 1.0, "arith": 2.0, "transcendental": 4.0, "special": 64.0, "pointwise": 4.0}
 ARITH = ("mul", "true_divide", "reciprocal", "sqrt", "rsqrt", "square", "deg2rad", "rad2deg", "ldexp",
          "leaky_relu", "leaky_relu_backward", "relu6", "hardswish", "hardsigmoid", "hardswish_backward",
-         "hardsigmoid_backward", "kron", "float_power", "softshrink", "round", "sgn",
+         "hardsigmoid_backward", "kron", "float_power", "softshrink", "round", "sgn", "rrelu_with_noise_backward",
          "nextafter")  # nextafter: the float64 replay steps by a float64 ulp, the device by its own
 TRANSCENDENTAL = (
     "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin", "acos", "atan",
@@ -176,6 +177,33 @@ def linspace_budget(c: BudgetCall) -> Budget:
     return c.budget(lambda: [
         None if not is_float(r) else c.ulp_bound(r, 2.0) + 4 * c.u * (r.abs().max() if r.numel() else 0.0)
         for r in outs])
+
+
+@register_budget(*overloads("logspace"), family=Family.ELEMENTWISE)
+def logspace_budget(c: BudgetCall) -> Budget:
+    """RangeFactories.cpp: base ** (start + i * step) by a double pow, with start and end first rounded to the
+    device dtype (and step formed from the rounded ends): the exponent is off by u * max(|start|, |end|), which
+    pow turns into |ln base| times that, relative; then the result's own rounding."""
+    a, r = c.a, c.out()
+    ends = max(float(magnitude(torch.as_tensor(a[k], dtype=torch.float64)).max()) for k in ("start", "end"))
+    rel = abs(math.log(float(a.get("base", 10.0)))) * (c.u * ends + 8 * 2.0**-53 * (ends + 1))
+    return with_operand_term(c, 2.0, lambda: r.abs(), rel)
+
+
+@register_budget(*overloads("glu_backward"), family=Family.ELEMENTWISE)
+def glu_backward_budget(c: BudgetCall) -> Budget:
+    """glu(x) = a * s, s = sigmoid(b); Activation.cpp writes s to the first half in the device dtype, then the
+    second half is (1 - s) s a g: for b >> 0, 1 - s cancels, so s's error ((EXP_ULPS + 1) u s) reaches it
+    absolute, not relative to 1 - s; every other rounding is relative (10 ulps of the result)."""
+    a = c.a
+
+    def term():
+        x, dim = a["self"], a["dim"]
+        first, second = x.chunk(2, dim)
+        s = torch.sigmoid(second)
+        return torch.cat([torch.zeros_like(first), (first * a["grad_output"]).abs() * s], dim)
+
+    return with_operand_term(c, 10.0, term, (ULPS["transcendental"] + 1) * c.u)
 
 
 def pointwise(plan: OpPlan) -> bool:

@@ -371,10 +371,25 @@ def cdist_budget(c: BudgetCall) -> Budget:
             return [torch.minimum(dd.sqrt(), dd / (2 * r.abs())) + c.final(r, 4.0)]
 
         return c.budget(make)
+    return _norm_of_differences(c, K, p)
+
+
+def _norm_of_differences(c: BudgetCall, K: int, p: float) -> Budget:
+    """(sum_k |x_k - y_k|**p)**(1/p) summed directly: each difference rounded (relative), its power, the sum of
+    positive terms (gamma_K(ua)), the root: relative to the result; p = inf selects a difference, p = 0 counts."""
+    r = c.out()
     if math.isinf(p) or p == 0:
         return c.budget(lambda: [c.final(r, 2.0) + c.ua * r.abs()])
     rel = (gamma(K, c.ua) + (EXP_ULPS + 1) * c.ua) / abs(p) + EXP_ULPS * c.ua
     return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=rel)])
+
+
+@register_budget(*overloads("_pdist_forward"), family=Family.REDUCTION)
+def pdist_budget(c: BudgetCall) -> Budget:
+    """DistanceOpsKernel.cpp: every pair's p-norm of differences summed over the features in the device dtype
+    (p = 2 too: no matmul form, no cancellation)."""
+    x = c.a["self"]
+    return _norm_of_differences(c, x.shape[-1] if x.dim() else 1, float(c.a.get("p", 2.0)))
 
 
 @register_budget(*overloads("linalg_cross", "cross"), family=Family.ELEMENTWISE)

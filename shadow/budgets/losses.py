@@ -5,6 +5,7 @@ then the reduction at ``ua``; the losses' backward ops are elementwise given the
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -140,3 +141,160 @@ def multilabel_margin_budget(c: BudgetCall) -> Budget:
     C = x.shape[-1] if x.dim() else 1
     main = _loss(c, 0.0, lambda: (gamma(C * C + 2, c.ua) + 4 * c.u) * C * (1 + 2 * _row_max(x)))
     return c.budget(lambda: [main.bound[0], c.ulp_bound(c.out(1), 1.0)])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the margin kernels read it: [nframe, dim] (a vector is one frame, a scalar one frame of one class)."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+
+
+def _frame_scale(c: BudgetCall, n: int, dim: int) -> float:
+    """g = 1 / (nframe * dim) for the mean, 1 / dim otherwise: the per-pair gradient the margin kernels add."""
+    return 1.0 / (n * dim) if c.a.get("reduction", 1) == 1 else 1.0 / dim
+
+
+def _grad_output_rows(c: BudgetCall, n: int) -> torch.Tensor:
+    """|grad_output| per frame (a [n, 1] column, or a scalar for the reduced losses)."""
+    g = c.a["grad_output"].abs()
+    return g.reshape(n, 1) if g.dim() and g.numel() == n and c.a.get("reduction", 1) == 0 else g.reshape(())
+
+
+@register_budget(*overloads("multi_margin_loss_backward"), family=Family.LOSS)
+def multi_margin_backward_budget(c: BudgetCall) -> Budget:
+    """LossMultiMargin.cpp: for d != y, z = margin - x_y + x_d (two roundings: 2 u (|margin| + |x_y| + |x_d|)
+    absolute), h = g w_y (p = 1) or 2 g w_y z (p = 2) where z > 0, and the target's entry -sum_d h in the device
+    dtype (gamma_C(u) sum|h|); then times grad_output. For p = 1 the step at z = 0 is a flip: where |z| is within
+    its rounding of 0, h may be g w_y or 0 (a correct kernel decides on its rounded z)."""
+    a, r = c.a, c.out()
+    p, margin, w = int(a["p"]), float(a["margin"]), a.get("weight")
+
+    def make():
+        x = _rows(a["self"])
+        n, dim = x.shape
+        tgt = a["target"].reshape(n, 1).long()
+        xt = x.gather(1, tgt)
+        z = margin - xt + x
+        near = 2 * c.u * (abs(margin) + xt.abs() + x.abs())
+        gw = _frame_scale(c, n, dim) * (w.abs()[tgt] if isinstance(w, torch.Tensor) else torch.ones_like(xt))
+        live = (z > -near).to(z.dtype).scatter(1, tgt, 0.0)  # the terms a correct kernel may count
+        if p == 1:
+            h = gw * live
+            e = 4 * c.u * h + gw * (z.abs() <= near).to(z.dtype).scatter(1, tgt, 0.0)
+        else:
+            h = 2 * gw * z.abs() * live
+            e = 2 * gw * (4 * c.u * z.abs() + near) * live
+        e = e.scatter(1, tgt, e.sum(1, keepdim=True) + gamma(dim, c.u) * h.sum(1, keepdim=True))
+        return [(e * _grad_output_rows(c, n)).reshape(r.shape) + c.final(r, 2.0)]
+
+    return c.budget(make)
+
+
+# Above this many (frame, target, class) triples the multilabel margin bound lets every pair flip (no
+# pairwise temporary): as loose as the gradient itself, but still finite.
+PAIRWISE_LIMIT = 1 << 22
+
+
+@register_budget(*overloads("multilabel_margin_loss_backward"), family=Family.LOSS)
+def multilabel_margin_backward_budget(c: BudgetCall) -> Budget:
+    """LossMultiLabelMargin.cpp: for every target i and non-target d with z = 1 - x_i + x_d > 0 the kernel adds
+    g to grad[d] and -g to grad[i], in the device dtype: an element that k pairs reach is off by gamma_k(u) k g,
+    plus g per pair whose z is within its rounding (2 u (1 + |x_i| + |x_d|)) of 0 (counted or not); then times
+    grad_output."""
+    a, r = c.a, c.out()
+
+    def make():
+        x = _rows(a["self"])
+        n, dim = x.shape
+        tgt = a["target"].reshape(n, dim).long()
+        listed = (tgt >= 0).long().cumprod(1).bool()  # the target list ends at the first -1
+        count = torch.zeros_like(x).scatter_add_(1, tgt.clamp_min(0), listed.to(x.dtype))
+        other = (a["is_target"].reshape(n, dim) == 0).to(x.dtype)
+        if n * dim * dim <= PAIRWISE_LIMIT:
+            z = 1 - x[:, :, None] + x[:, None, :]  # [frame, target i, class d]
+            near = 2 * c.u * (1 + x.abs()[:, :, None] + x.abs()[:, None, :])
+            pairs = count[:, :, None] * other[:, None, :]
+            live, flips = pairs * (z > -near), pairs * (z.abs() <= near)
+            k = live.sum(2) + live.sum(1)  # pairs reaching each element, as target and as non-target
+            f = flips.sum(2) + flips.sum(1)
+        else:
+            k = count * other.sum(1, keepdim=True) + other * count.sum(1, keepdim=True)
+            f = k
+        g = _frame_scale(c, n, dim)
+        e = g * (k * (k + 2) * c.u / (1 - (k + 2) * c.u).clamp_min(1e-300) + f)
+        return [(e * _grad_output_rows(c, n)).reshape(r.shape) + c.final(r, 2.0)]
+
+    return c.budget(make)
+
+
+# --- CTC (LossCTC.cpp): log_alpha[t, s] = logsumexp(la[t-1, s], la[t-1, s-1], la[t-1, s-2]) + lp[t, l'(s)],
+# in the device dtype, one time step after another ---
+LOG3 = math.log(3.0)
+# one step's own roundings, in u: the differences la - max (u/e after exp), three exps and two adds, the log
+# of a sum in [1, 3]
+CTC_STEP = 2 * EXP_ULPS + 4
+
+
+def _lengths(v: Any) -> torch.Tensor:
+    return torch.as_tensor(v, dtype=torch.int64).reshape(-1)
+
+
+def _ctc_alpha_magnitude(lp: torch.Tensor) -> torch.Tensor:
+    """[T, N]: |log_alpha[t]| <= sum_{t' <= t} max_c |lp[t', c]| + t log 3 (at most 3**t paths, each a sum of
+    log-probabilities), over the finite log-probabilities."""
+    m = torch.where(lp.isfinite(), lp.abs(), 0.0).amax(-1)
+    t = torch.arange(lp.shape[0], dtype=torch.float64)[:, None]
+    return m.cumsum(0) + t * LOG3
+
+
+def _ctc_alpha_error(ma: torch.Tensor, u: float) -> torch.Tensor:
+    """[T, N]: the error of log_alpha[t]. logsumexp is 1-Lipschitz, so the errors of t - 1 carry over and each
+    step adds its own: CTC_STEP u, u (|max| + log 3) for adding the max back, u |la[t]| for adding lp."""
+    steps = CTC_STEP + ma[:-1] + ma[1:] + LOG3
+    return u * torch.cat([torch.zeros_like(ma[:1]), steps.cumsum(0)])
+
+
+@register_budget(*overloads("_ctc_loss"), family=Family.LOSS)
+def ctc_budget(c: BudgetCall) -> Budget:
+    """The forward recursion's error grows with t as its terms do (:func:`_ctc_alpha_error`); the loss adds one
+    more logaddexp of the last two log_alpha. Output 1 (log_alpha) is bounded where it is defined."""
+    lp = c.a["log_probs"]
+    nll, alpha = c.out(0), c.out(1)
+
+    def make():
+        ma = _ctc_alpha_magnitude(lp)
+        err = _ctc_alpha_error(ma, c.u)
+        last = (_lengths(c.a["input_lengths"]).clamp(1, lp.shape[0]) - 1)[None, :]
+        end = err.gather(0, last)[0] + c.u * (CTC_STEP + 2 * ma.gather(0, last)[0] + LOG3)
+        return [end.reshape(nll.shape) + c.final(nll), err.T.unsqueeze(-1) + c.final(alpha)]
+
+    return c.budget(make)
+
+
+@register_budget(*overloads("_ctc_loss_backward"), family=Family.LOSS)
+def ctc_backward_budget(c: BudgetCall) -> Budget:
+    """grad = (exp(lp) - exp(lcab + nll - lp)) * gr, lcab the log-sum over the states of each label of
+    log_alpha + log_beta. log_alpha and nll are inputs (exact as given); log_beta runs the forward recursion
+    backward in time (its error grows with T - t as log_alpha's with t), lcab chains up to L + 1 logaddexps,
+    the exponent is rounded twice, and exp turns its absolute error into a relative one of X = exp(...), whose
+    size |X gr| = |exp(lp) gr - grad| the reference gives."""
+    a, r = c.a, c.out()
+    lp, gr, nll = a["log_probs"], a["grad"], a["neg_log_likelihood"]
+
+    def make():
+        T = lp.shape[0]
+        tb = _lengths(a["input_lengths"])[None, :]
+        L = _lengths(a["target_lengths"]).to(torch.float64)[None, :]
+        t = torch.arange(T)[:, None]
+        m = torch.where(lp.isfinite(), lp.abs(), 0.0).amax(-1) * (t < tb)
+        mb = m.flip(0).cumsum(0).flip(0) + (tb - 1 - t).clamp_min(0) * LOG3  # bounds |log_beta[t]|
+        steps = (CTC_STEP + mb[:-1] + mb[1:] + LOG3) * (t[:-1] < tb - 1)
+        beta_err = c.u * torch.cat([steps.flip(0).cumsum(0).flip(0), torch.zeros_like(mb[:1])])
+        ab = _ctc_alpha_magnitude(lp) + mb + torch.log(2 * L + 1)  # bounds |lcab|
+        e = (beta_err + c.u * (L + 2) * (CTC_STEP + ab))[..., None]
+        e = e + 2 * c.u * (ab[..., None] + nll.abs().reshape(1, -1, 1) + torch.where(lp.isfinite(), lp.abs(), 0.0))
+        g = gr.abs().reshape(1, -1, 1)
+        elp = lp.exp()
+        x_gr = (elp * gr.reshape(1, -1, 1) - r).abs()
+        return [g * elp * ((EXP_ULPS + 1) * c.u) + x_gr * (e + (EXP_ULPS + 1) * c.u) + c.final(r, 2.0)]
+
+    return c.budget(make)

@@ -441,3 +441,133 @@ def upsample_backward_budget(c: BudgetCall) -> Budget:
         return [add_into(c.final(r), gmax.expand(r.shape[:2] + (1,) * d), alpha=k).expand(r.shape)]
 
     return c.budget(make)
+
+
+@register_budget(*overloads("scatter"), family=Family.REDUCTION)
+def scatter_budget(c: BudgetCall) -> Budget:
+    """scatter without reduce only places values (src's, or a scalar rounded once); reduce="add" sums into
+    self, "multiply" multiplies into it (in the device dtype), as scatter_reduce does."""
+    red = c.a.get("reduce")
+    if red is None:
+        return c.ulps(ULPS["movement"], family=Family.MOVEMENT)
+    src = c.a.get("src")
+    n = (src.numel() if isinstance(src, torch.Tensor) else c.a["index"].numel()) + 2
+    if red == "add":
+        return _linear_sum(c, ["self", "src", "value"], n)
+    r = c.out()
+    return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
+
+
+# Gradients of ops that read an input element several times (padding, nearest upsampling, max pooling): each
+# input's gradient is a sum of the output gradients that came from it, added in the device dtype: gamma over the
+# most that reach one input, times the op on |grad_output|.
+PAD_BACKWARD = ("reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
+                "replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward")
+NEAREST_BACKWARD = ("upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
+                    "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward",
+                    "_upsample_nearest_exact3d_backward")
+MAX_POOL_BACKWARD = ("adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "fractional_max_pool2d_backward",
+                     "fractional_max_pool3d_backward")
+
+
+@register_budget(*overloads(*PAD_BACKWARD), family=Family.REDUCTION)
+def pad_backward_budget(c: BudgetCall) -> Budget:
+    """An element receives itself and its reflections or replications: at most left + right + 1 per dim."""
+    pad = list(c.a["padding"])
+    return _linear_sum(c, ["grad_output"], math.prod(pad[i] + pad[i + 1] + 1 for i in range(0, len(pad), 2)))
+
+
+@register_budget(*overloads(*NEAREST_BACKWARD), family=Family.REDUCTION)
+def nearest_backward_budget(c: BudgetCall) -> Budget:
+    """An input element was picked by at most ceil(out / in) + 1 outputs per dim."""
+    ins, outs = list(c.a["input_size"])[2:], list(c.a["output_size"])
+    return _linear_sum(c, ["grad_output"], math.prod(-(-o // max(i, 1)) + 1 for i, o in zip(ins, outs)))
+
+
+@register_budget(*overloads(*MAX_POOL_BACKWARD), family=Family.REDUCTION)
+def max_pool_gather_budget(c: BudgetCall) -> Budget:
+    """Overlapping windows may all pick one element: at most every output of its plane."""
+    g = c.a["grad_output"]
+    d = next(int(k[0]) for k in ("2d", "3d") if k in c.plan.base)
+    return _linear_sum(c, ["grad_output"], math.prod(g.shape[-d:]) if g.dim() >= d else max(g.numel(), 1))
+
+
+@register_budget(*overloads("renorm"), family=Family.REDUCTION)
+def renorm_budget(c: BudgetCall) -> Budget:
+    """ReduceOps.cpp: norm = ||x_k||_p per slice (opmath), factor = maxnorm / (norm + 1e-7) where norm > maxnorm
+    (rounded to the device dtype), x * factor: the norm's relative error (``norm_budget``'s), the quotient's and
+    the product's. Where the norm is within its error of maxnorm a correct kernel may scale or not: the factor
+    there is within 1e-7 / maxnorm (plus the norm's error) of 1."""
+    x, r = c.a["self"], c.out()
+    p, dim, maxnorm = float(c.a["p"]), c.a["dim"] % max(x.dim(), 1), float(c.a["maxnorm"])
+    dims = [d for d in range(x.dim()) if d != dim]
+    n = numel_over(x, dims)
+    rel = (gamma(n, c.ua) + EXP_ULPS * c.ua) / abs(p) + EXP_ULPS * c.ua if p not in (0.0, math.inf) else c.ua
+    rel += 3 * c.ua + c.u
+
+    def make():
+        norm = torch.linalg.vector_norm(x, p, dims, keepdim=True) if dims else x.abs()
+        near = ((norm - maxnorm).abs() <= 2 * rel * norm).to(x.dtype)
+        return [add_into(c.final(r), r.abs(), alpha=rel) + near * (1e-7 / max(maxnorm, 1e-300) + 2 * rel) * x.abs()]
+
+    return c.budget(make)
+
+
+@register_budget(*overloads("histc"), family=Family.REDUCTION)
+def histc_budget(c: BudgetCall) -> Budget:
+    """Counts (SummaryOps/HistogramKernel.cpp: pos = (x - lo) * bins / (hi - lo) in the device dtype, lo and hi
+    the edges rounded to it): exact where a correct kernel and the float64 one pick the same bin. An element
+    whose pos lies within its rounding of an edge may be counted on either side (or out, at lo and hi), so bin
+    k's bound is the number of elements near its two edges: 0 where no element is (any error is over budget)."""
+    x, r = c.a["self"], c.out()
+    bins = int(c.a.get("bins", 100))
+
+    def make():
+        v = x.reshape(-1)
+        v = v[v.isfinite()]
+        lo, hi = float(c.a.get("min", 0)), float(c.a.get("max", 0))
+        if lo == hi and v.numel():
+            lo, hi = float(v.min()), float(v.max())
+        if lo == hi:
+            lo, hi = lo - 1, hi + 1
+        pos = (v - lo) * (bins / (hi - lo))
+        slack = 4 * c.u * (pos.abs() + 1) + 2 * c.u * bins * (abs(lo) + abs(hi)) / (hi - lo)
+        edge = pos.round()
+        near = ((pos - edge).abs() <= slack) & (edge >= 0) & (edge <= bins)
+        at = torch.bincount(edge[near].long(), minlength=bins + 1).to(torch.float64)
+        return [at[:-1] + at[1:]]
+
+    return c.budget(make)
+
+
+def _segment_length(c: BudgetCall) -> int:
+    """The most elements one segment reduces (lengths, or the steps of offsets)."""
+    lengths, offsets = c.a.get("lengths"), c.a.get("offsets")
+    if isinstance(lengths, torch.Tensor) and lengths.numel():
+        return int(lengths.max())
+    if isinstance(offsets, torch.Tensor) and offsets.shape[-1] > 1:
+        return int(offsets.diff(dim=-1).max())
+    return 1
+
+
+@register_budget(*overloads("segment_reduce"), family=Family.REDUCTION)
+def segment_reduce_budget(c: BudgetCall) -> Budget:
+    """SegmentReduce.cpp: each segment reduced in sequence in the device dtype from ``initial``: sum and mean
+    as short sums (gamma_n(u) on the op applied to |data| and |initial|), prod relative, max and min select."""
+    red = c.a["reduce"]
+    if red in ("max", "min"):
+        return c.ulps(ULPS["movement"], family=Family.MOVEMENT)
+    n = _segment_length(c) + 2
+    if red in ("sum", "mean"):
+        return _linear_sum(c, ["data", "initial"], n)
+    r = c.out()
+    return c.budget(lambda: [add_into(c.final(r), r.abs(), alpha=gamma(n, c.u))])
+
+
+@register_budget(*overloads("_segment_reduce_backward"), family=Family.REDUCTION)
+def segment_reduce_backward_budget(c: BudgetCall) -> Budget:
+    """sum: the gradient copied; mean: divided by the length; max/min: divided among the ties; prod: grad times
+    the product of the other elements (output / data, or the product without the zeros): gamma_n(u) relative."""
+    r = c.out()
+    n = _segment_length(c) + 3 if c.a["reduce"] == "prod" else 0
+    return c.budget(lambda: [add_into(c.ulp_bound(r, ULPS["arith"]), r.abs(), alpha=gamma(n, c.u))])
