@@ -100,7 +100,8 @@ def test_a_guessed_budget_is_never_counted_as_judged():
     assert v.lines[-1].startswith("not judged: 1 call of aten._fused_adamw_")
 
 
-@torch.library.custom_op("shadowtest::shifted", mutates_args=())
+# the schema given: torch 2.4 infers none from the string annotations of `from __future__ import annotations`
+@torch.library.custom_op("shadowtest::shifted", mutates_args=(), schema="(Tensor x) -> Tensor")
 def shifted(x: torch.Tensor) -> torch.Tensor:
     """An op no budget rule can know (registered here): shadow replays it on its float64 CPU kernel, and judges
     it by the default guess only."""
