@@ -159,9 +159,20 @@ def _used(run: Callable[[], None], op: str, *outer) -> list[float]:
     return [r.budget.used for r in recs]
 
 
+def _kernel_here(case: Case, dtype: torch.dtype) -> None:
+    """Skip where this torch's CPU kernel lacks the dtype (torch 2.4's grid samplers have no bfloat16)."""
+    try:
+        case.run(dtype)
+    except RuntimeError as exc:
+        if "not implemented for" not in str(exc):
+            raise
+        pytest.skip(f"{case.op} in {dtype} on this torch ({torch.__version__}): {exc}")
+
+
 @pytest.mark.parametrize("name,dtype", PARAMS)
 def test_correct_kernel_within_budget_and_a_fault_over_it(name, dtype):
     case = CASES[name]
+    _kernel_here(case, dtype)
     used = _used(lambda: case.run(dtype), case.op)
     assert max(used) <= 1.0, used
     rel = case.rel if dtype == torch.float32 else case.rel_bf16
@@ -197,6 +208,7 @@ def test_bound_holds_against_float64_without_shadow(name, dtype):
     """The op on the device's inputs against itself in float64 on them upcast, no shadow involved: every element
     the op defines within ``budget_for``'s bound."""
     case = CASES[name]
+    _kernel_here(case, dtype)
     calls = _Calls(case.op)
     with calls:
         case.run(dtype)

@@ -42,7 +42,8 @@ def run_repro(script, *args: str, without_shadow: bool = False) -> tuple[int, st
 
 
 def figures(output: str) -> dict:
-    return json.loads(output.strip().splitlines()[-1])
+    """The --json line (a backend's warnings on stderr may follow it)."""
+    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{")))
 
 
 def faulted(n: int = 1, rel: float = 1e-3) -> tuple[shadow.Report, torch.Tensor]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from ..mirror import CPU
 from ..plan import ArgSpec
 from ..records import Record, op_class
 from ..reproscript import checksum
@@ -103,14 +104,14 @@ def capture(engine: Engine, prepared: Prepared, rec: Record, outputs: Outputs, a
         if spec.index in plan.out_args:
             values = None
         elif t._is_zerotensor():
-            values = torch.zeros(t.shape, dtype=t.dtype)
+            values = torch.zeros(t.shape, dtype=t.dtype, device=CPU)  # kept inputs live on the CPU
         elif t.untyped_storage().data_ptr() in written:  # overwritten by the op: its value before it
             if not before or before[k] is reference[k]:
                 raise NotKeepable("an in-place call whose inputs before it were not kept (its budget does not "
                                   "read them)")
-            values = torch.empty(t.shape, dtype=t.dtype).copy_(before[k])
+            values = torch.empty(t.shape, dtype=t.dtype, device=CPU).copy_(before[k])
         else:
-            values = torch.empty(t.shape, dtype=t.dtype).copy_(engine.near(t))
+            values = torch.empty(t.shape, dtype=t.dtype, device=CPU).copy_(engine.near(t))
         seen[id(t)] = len(tensors)
         tensors.append({"name": spec.name, "values": values, "size": list(t.size()), "stride": list(t.stride()),
                         "offset": t.storage_offset(), "dtype": str(t.dtype).removeprefix("torch.")})
@@ -124,7 +125,7 @@ def capture(engine: Engine, prepared: Prepared, rec: Record, outputs: Outputs, a
     checksums = {o.slot: checksum(engine.near(o.device)) for o in outputs.items
                  if isinstance(o.device, torch.Tensor) and o.slot is not None and not o.device.is_nested}
     device = prepared.inputs[0].device if prepared.inputs else next(
-        (o.device.device for o in outputs.items if isinstance(o.device, torch.Tensor)), torch.device("cpu"))
+        (o.device.device for o in outputs.items if isinstance(o.device, torch.Tensor)), CPU)
     return KeptCall(rec.index, rec.op, str(device), str(outputs.dtype).removeprefix("torch."), tensors, a, kw,
                     writes, checksums, rec.to_dict())
 
