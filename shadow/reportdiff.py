@@ -30,7 +30,7 @@ from collections import Counter
 from .compiled.matching import GraphChange, match_calls
 from .records import Aggregate
 from .reportdata import ReportData
-from .verdict import op_class, times
+from .verdict import STORED_BITS, op_class, times
 
 FACTOR = 2.0  # a figure that moved by this factor or more changed (error figures between correct kernels vary less)
 FLOOR = 0.01  # ... unless it stays below this share of the budget on both sides: noise of correct kernels
@@ -53,13 +53,15 @@ class Figures:
     drift: float  # the worst drift rel_norm
     over_calls: int  # calls over budget
     nonfinite: int  # elements where device and shadow disagree on NaN/Inf
+    stored_bits: float | None = None  # the mantissa bits the narrowest floating result dtype stores (None: none)
 
     @classmethod
     def of(cls, a: Aggregate) -> Figures:
         return cls(calls=a.calls, budget_used=a.max_budget_used if a.budgeted_calls else None,
                    local_ulp=a.max_local_ulp_nonzero,
                    effective_bits=a.min_effective_bits if math.isfinite(a.min_effective_bits) else None,
-                   drift=a.max_drift_rel, over_calls=a.over_budget_calls, nonfinite=a.nonfinite)
+                   drift=a.max_drift_rel, over_calls=a.over_budget_calls, nonfinite=a.nonfinite,
+                   stored_bits=min((STORED_BITS[d] for d in a.dtypes if d in STORED_BITS), default=None))
 
     @property
     def own(self) -> float:
@@ -104,12 +106,15 @@ class Change:
         """B's own error is ``factor`` times A's or more, above the floor (budget share; 1 ulp without a budget),
         and B reads fewer effective bits where both sides read them; or B has calls over budget, or NaN/Inf
         disagreements, where A had none. Effective bits are the rms error over the op's scale: a kernel reading
-        its dtype's full precision on both sides has not changed, whatever its worst element did (a 1024-term
+        its dtype's full precision on both sides, or on B's, has not changed, whatever its worst element did (a 1024-term
         mean moved 0.2 -> 1.0 ulp between fp32 and TF32 runs, its inputs rounded differently upstream)."""
         a, b = self._own()
         floor = floor if self.budgeted else 1.0
         bits_a, bits_b = self.a.effective_bits, self.b.effective_bits
-        same_bits = self.budgeted and bits_a is not None and bits_b is not None and bits_b >= bits_a
+        # B at its dtype's full precision has not got worse, even where A happened to be exact (bits None)
+        same_bits = self.budgeted and bits_b is not None and (
+            (bits_a is not None and bits_b >= bits_a)
+            or (self.b.stored_bits is not None and bits_b >= self.b.stored_bits))
         newly_over = self.b.over_calls > 0 and self.a.over_calls == 0
         newly_nonfinite = self.b.nonfinite > 0 and self.a.nonfinite == 0
         return (_factor(a, b) >= factor and b >= floor and not same_bits) or newly_over or newly_nonfinite

@@ -451,6 +451,9 @@ def build(name: str, *, habit: str = "train", dtype: torch.dtype = torch.float32
         return program
     program.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=True)
     if habit == "autocast_bf16":
+        if any(isinstance(m, nn.LSTM) for m in model.modules()) and (why := _no_bf16_lstm()) is not None:
+            import pytest  # the corpus is the tests' own: a model this CPU's torch cannot run is skipped
+            pytest.skip(why)
         program.autocast = torch.bfloat16
     elif habit == "accumulate_clip_schedule":
         program.accumulate, program.clip = accumulate, 0.1
@@ -458,6 +461,18 @@ def build(name: str, *, habit: str = "train", dtype: torch.dtype = torch.float32
     elif habit.startswith("compile"):
         program.module = torch.compile(model, backend="inductor" if habit == "compile_inductor" else "eager")
     return program
+
+
+@functools.cache
+def _no_bf16_lstm() -> str | None:
+    """Why nn.LSTM cannot run under CPU bfloat16 autocast here (None: it can). Below AVX-512 oneDNN has no bfloat16
+    LSTM and torch itself raises ("could not create a primitive descriptor for the LSTM forward"), shadow or not."""
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nn.LSTM(4, 4)(torch.randn(2, 1, 4))
+    except RuntimeError as exc:
+        return f"torch {torch.__version__} cannot run nn.LSTM under CPU bfloat16 autocast on this CPU: {exc}"
+    return None
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
