@@ -225,3 +225,31 @@ def test_keeping_changes_nothing_of_the_programs_tensors():
         plain = F.gelu(x)
     assert sm.report.meta["repro"]["kept"] and torch.equal(y, plain)
     y.resize_(64)  # numpy's view of a storage would refuse: "Trying to resize storage that is not resizable"
+
+
+class Planted:
+    """A pickled object whose loading runs code (writes ``marker``): what weights_only=True must refuse."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_sidecar_or_inputs_pt_carrying_a_pickled_object_is_refused_and_runs_nothing(tmp_path):
+    rep, _ = faulted()
+    path = tmp_path / "r.json"
+    rep.save(path)
+    files = shadow.load_report(path).repro(None, tmp_path / "gelu")
+    marker = str(tmp_path / "ran")
+    for planted in (sidecar_path(path), files.inputs):
+        torch.save({"format": "shadow-inputs", "version": 1, "calls": [Planted(marker)]}, planted)
+    with pytest.raises(SidecarError, match="holds a pickled object other than tensors and plain values.*re-run the"):
+        shadow.load_report(path).repro()
+    status, text = run_repro(files.script)
+    assert status == 2 and "holds a pickled object other than tensors and plain values" in text, text
+    assert "Traceback" not in text and "shadow repro" in text
+    assert not os.path.exists(marker)
+    torch.load(files.inputs, weights_only=False)  # the file is armed: an unsafe load runs its code
+    assert os.path.exists(marker)
