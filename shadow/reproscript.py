@@ -51,9 +51,7 @@ def mode_of(spec):
     if not isinstance(kwargs, dict) or not is_plain(kwargs):
         raise Refused(f"the arguments of {spec.get('repr')!r} are not plain values")
     if isinstance(spec.get("emulate"), str):
-        from shadow.modes.emulate import emulate
-
-        return emulate(spec["emulate"], **kwargs)
+        return importlib.import_module("shadow.modes.emulate").emulate(spec["emulate"], **kwargs)
     module, _, qualname = str(spec.get("class")).partition(":")
     refused = Refused(f"{spec.get('class')!r} is not a mode class of shadow.modes")
     if not module.startswith("shadow.modes.") or not qualname:
@@ -73,8 +71,8 @@ def emulations(recorded, off):
     each: applied, or why not. Raises Refused for a spec naming anything but a mode of shadow.modes."""
     if not recorded:
         return [], []
-    try:
-        import shadow
+    try:  # by name: shadow is optional here, and this module is also shadow's own
+        shadow = importlib.import_module("shadow")
     except ImportError:
         shadow = None
     modes, lines = [], []
