@@ -142,19 +142,21 @@ def _script(facts: dict) -> str:
     def figure(x: Any, spec: str) -> str:
         return format(x, spec) if isinstance(x, (int, float)) else "-"
 
-    emulation = "".join(f"\nThe recorded error came from an emulation, {e}, which repro.py does not apply."
-                        for e in facts["emulation"])
+    emulation = "".join(f"\nThe recorded error came from an emulation, {e['repr']}, which repro.py applies where "
+                        "shadow is installed (--no-emulation: not)." for e in facts["emulation"])
     head = (f'#!/usr/bin/env python3\n"""Reproduction of call {facts["call"]} of a shadow run: {facts["op"]} on '
             f'{facts["device"]}, {figure(rec["budget_used"], ".3g")}x its error budget.\n\n'
             f'Recorded (torch {facts["torch"]}): max abs error {figure(rec["max_abs"], ".6g")}, max ulp '
             f'{figure(rec["max_ulp"], ".6g")} of {facts["dtype"]}, effective bits {figure(rec["effective_bits"], ".3g")}.'
             f'\nBudget ({facts["budget"]["family"]}): {facts["budget"]["formula"]}{emulation}\n\n'
-            "    python repro.py [--device cpu] [--setup MODULE[:FUNCTION]] [--json]\n\n"
+            "    python repro.py [--device cpu] [--setup MODULE[:FUNCTION]] [--json] [--no-emulation]\n\n"
             "runs the op on the run's device (or another), its float64 reference on the CPU from the same inputs "
             "upcast\nexactly, and prints the error against the budget: exit status 1 over budget, 0 within. Needs "
             "torch alone;\ninputs.pt beside it holds the inputs (shapes, strides, storage offsets), the budget's bound "
             'and the\nchecksum of the output the device recorded.\n"""\n')
     head = head.replace("\\", "\\\\")
+    start = head.index('"""') + 3  # the text between the docstring's quotes: a sidecar's strings never end it
+    head = head[:start] + head[start:-4].replace('"""', '\\"\\"\\"') + head[-4:]
     facts_text = "FACTS = " + pprint.pformat(facts, width=110, sort_dicts=False) + "\n"
     return head + "\n" + body.replace("import torch\n", "import torch\n\n" + facts_text, 1) + \
         '\n\nif __name__ == "__main__":\n    sys.exit(main(sys.argv[1:], FACTS))\n'

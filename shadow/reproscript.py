@@ -4,6 +4,7 @@ inputs with the same functions (``checksum``, ``rebuild``, ``decode``, ``outputs
 Nothing here imports shadow."""
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import json
@@ -12,6 +13,89 @@ import os
 import sys
 
 import torch
+
+
+def load(path):
+    """``path`` read with torch.load(weights_only=True): tensors and plain values only, never code run; raises
+    ValueError saying what is wrong with any other file (truncated, damaged, or carrying a pickled object)."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError("holds a pickled object other than tensors and plain values (a tampered or foreign file: "
+                         f"{str(exc).splitlines()[0][:120]}); torch.load(weights_only=True) refused it and ran none "
+                         "of it") from None
+    except Exception as exc:
+        raise ValueError(f"not readable (truncated or damaged: {str(exc).splitlines()[0][:160]})") from None
+
+
+def is_plain(value):
+    """A value made of str, int, float, bool, None, and lists, tuples and str-keyed dicts of those."""
+    if isinstance(value, (list, tuple)):
+        return all(is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
+    return value is None or type(value) in (str, int, float, bool)
+
+
+class Refused(Exception):
+    """A recorded mode naming anything but a mode class of shadow.modes (a tampered repro.py): never built."""
+
+
+def mode_of(spec):
+    """The device-side mode of shadow's (an emulation, a fault) a recorded ``spec`` names, built with the shadow
+    installed here: {"emulate": name, "kwargs": ...} as ``shadow run --emulate`` builds it, or {"class":
+    "shadow.modes.MODULE:CLASS", "kwargs": ...}. Raises Refused for a spec naming anything else."""
+    kwargs = spec.get("kwargs")
+    if not isinstance(kwargs, dict) or not is_plain(kwargs):
+        raise Refused(f"the arguments of {spec.get('repr')!r} are not plain values")
+    if isinstance(spec.get("emulate"), str):
+        return importlib.import_module("shadow.modes.emulate").emulate(spec["emulate"], **kwargs)
+    module, _, qualname = str(spec.get("class")).partition(":")
+    refused = Refused(f"{spec.get('class')!r} is not a mode class of shadow.modes")
+    if not module.startswith("shadow.modes.") or not qualname:
+        raise refused
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cls = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, TorchDispatchMode) and cls.__module__.startswith("shadow.modes.")):
+        raise refused
+    return cls(**kwargs)
+
+
+def emulations(recorded, off):
+    """The modes of the run's emulations and faults rebuilt where shadow is installed (not ``off``), and a line on
+    each: applied, or why not. Raises Refused for a spec naming anything but a mode of shadow.modes."""
+    if not recorded:
+        return [], []
+    try:  # by name: shadow is optional here, and this module is also shadow's own
+        shadow = importlib.import_module("shadow")
+    except ImportError:
+        shadow = None
+    modes, lines = [], []
+    for spec in recorded:
+        what = f"note: the recorded error came from an emulation, {spec['repr']}, which is not applied"
+        if off:
+            lines.append(f"{what} (--no-emulation)")
+        elif shadow is None:
+            lines.append(f"{what}: shadow is not installed here (with shadow installed, repro.py applies it)")
+        elif "reason" in spec:
+            lines.append(f"{what}: it cannot be re-created ({spec['reason']})")
+        else:
+            try:
+                mode = mode_of(spec)
+            except Refused:
+                raise
+            except Exception as exc:  # another shadow's modes take other arguments
+                lines.append(f"{what}: shadow {shadow.__version__} here cannot build it ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:160]})")
+                continue
+            modes.append(mode)
+            lines.append(f"emulation applied: {mode!r} (shadow {shadow.__version__} is installed here)")
+    return modes, lines
 
 
 def checksum(t):
@@ -150,6 +234,8 @@ def main(argv, facts):
     parser.add_argument("--setup", metavar="MODULE[:FUNCTION]", help="import MODULE first (and call FUNCTION()): "
                         "what registers the device's backend, e.g. torch_directml")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--no-emulation", action="store_true", help="run the op without the run's emulations and "
+                        "faults (applied by default where shadow is installed)")
     args = parser.parse_args(argv)
     if args.setup:
         module, _, function = args.setup.partition(":")
@@ -164,13 +250,34 @@ def main(argv, facts):
               "its backend first with --setup MODULE[:FUNCTION] (torch_directml for DirectML), or give --device "
               "cpu", file=sys.stderr)
         return 2
-    data = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "inputs.pt"), weights_only=True)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inputs.pt")
+    fix = "write it again with shadow repro from the run's report"
+    if not os.path.exists(path):
+        print(f"repro.py: {path}: missing: the inputs live next to repro.py; {fix}", file=sys.stderr)
+        return 2
+    try:
+        data = load(path)
+    except ValueError as exc:
+        print(f"repro.py: {path}: {exc}; {fix}", file=sys.stderr)
+        return 2
+    try:
+        modes, notes = emulations(facts["emulation"], args.no_emulation)
+    except Refused as exc:
+        print(f"repro.py: refused to apply an emulation: {exc}; this file's FACTS are not as shadow repro wrote "
+              "them: write it again, or run with --no-emulation", file=sys.stderr)
+        return 2
+    if not isinstance(data, dict) or not {"tensors", "args", "kwargs", "bounds", "checksums"} <= set(data):
+        print(f"repro.py: {path}: not the inputs of a shadow reproduction; {fix}", file=sys.stderr)
+        return 2
     namespace, name, overload = facts["op"].split(".")
     op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
     dtype = getattr(torch, facts["dtype"])
     on_device = [rebuild(t, device) for t in data["tensors"]]
     a, kw = arguments(data["args"], data["kwargs"], on_device, device)
-    result = op(*a, **kw)
+    with contextlib.ExitStack() as stack:  # the device's op under the run's emulations (outermost first)
+        for mode in modes:
+            stack.enter_context(mode)
+        result = op(*a, **kw)
     got = [t.detach().to("cpu") for t in outputs(result, on_device, data["written"])]
     wide = [rebuild(t, wide=True) for t in data["tensors"]]
     a, kw = arguments(data["reference_args"], data["reference_kwargs"], wide)
@@ -181,6 +288,7 @@ def main(argv, facts):
     fig["over_budget"] = fig["budget_used"] > 1.0
     fig["output_matches"] = all(checksum(got[s]) == data["checksums"].get(s) for s in slots)
     fig["device"] = str(device)
+    fig["emulation_applied"] = [repr(m) for m in modes]
     changed = numerics_changed(data["numerics"])
     if args.json:
         print(json.dumps(fig))
@@ -201,8 +309,8 @@ def main(argv, facts):
     print(f"budget ({budget['family']}): {budget['formula']}{span}")
     print(f"budget used: {fig['budget_used']:.4g} (recorded: {rec['budget_used']:.4g}; max abs "
           f"{rec['max_abs']:.6g}, max ulp {rec['max_ulp']:.6g})")
-    for what in facts["emulation"]:
-        print(f"note: the recorded error came from an emulation, {what}, which repro.py does not apply")
+    for line in notes:
+        print(line)
     for key, (then, now) in changed.items():
         print(f"note: {key} was {then!r} in the run, is {now!r} here")
     if fig["over_budget"]:

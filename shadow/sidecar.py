@@ -20,6 +20,7 @@ import torch
 
 from .errors import SidecarError
 from .reportformat import write_atomically
+from .reproscript import is_plain, load
 
 FORMAT = "shadow-inputs"
 VERSION = 1
@@ -73,7 +74,7 @@ class KeptInputs:
         self.token = token or secrets.token_hex(8)  # the report and its sidecar name the same run
         self.calls: dict[int, KeptCall] = {}
         self.left_out: dict[tuple[str, str], int] = {}
-        self.emulation: list[str] = []
+        self.emulation: list[dict] = []  # per mode, outermost first: shadow.engine.keep.recorded
         self.torch = str(torch.__version__)
         self.numerics: dict = {}
 
@@ -109,10 +110,9 @@ class KeptInputs:
             raise SidecarError(os.fspath(path), "missing: the kept inputs live in one file next to the report "
                                f"(REPORT{SUFFIX}); copy it beside the report, or {fix}")
         try:
-            d = torch.load(path, weights_only=True)
-        except Exception as exc:
-            raise SidecarError(os.fspath(path), f"not readable (truncated or damaged: "
-                               f"{str(exc).splitlines()[0][:160]}); {fix}") from None
+            d = load(path)
+        except ValueError as exc:
+            raise SidecarError(os.fspath(path), f"{exc}; {fix}") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise SidecarError(os.fspath(path), f"not a shadow inputs file (format {FORMAT!r}); {fix}")
         if d.get("version") != VERSION:
@@ -120,6 +120,10 @@ class KeptInputs:
                                "use the shadow that wrote it, or " + fix)
         if token is not None and d.get("token") != token:
             raise SidecarError(os.fspath(path), f"belongs to another run than the report beside it; {fix}")
+        emulation = d.get("emulation")
+        if not isinstance(emulation, list) or not all(isinstance(e, dict) and isinstance(e.get("repr"), str)
+                                                      and is_plain(e) for e in emulation):
+            raise SidecarError(os.fspath(path), f"malformed (its emulations are not plain specs); {fix}")
         kept = cls(0, d["token"])
         kept.torch, kept.numerics, kept.emulation = d["torch"], d["numerics"], d["emulation"]
         try:

@@ -70,9 +70,15 @@ def test_a_fault_on_the_cpu_is_kept_and_its_repro_says_the_kernel_is_correct_wit
     assert status == 0 and not fig["over_budget"] and not fig["output_matches"]  # the fault is not applied
     direct = (F.gelu(x).double() - F.gelu(x.double())).abs().max().item()  # the CPU kernel, without shadow
     assert fig["max_abs"] == pytest.approx(direct, rel=REL)
-    status, text = run_repro(files.script)
-    assert status == 0 and "FaultMode(rel=0.001, op='gelu')" in text and "does not apply" in text
+    status, text = run_repro(files.script, without_shadow=True)
+    assert status == 0 and "FaultMode(rel=0.001, op='gelu')" in text and "shadow is not installed" in text
     assert "conclusion: within budget" in text
+    status, out = run_repro(files.script, "--json")  # shadow importable: the fault applied, the record's figures
+    fig = figures(out)
+    assert status == 1 and fig["output_matches"] and fig["emulation_applied"] == ["FaultMode(rel=0.001, op='gelu')"]
+    assert fig["budget_used"] == pytest.approx(gelu.budget.used, rel=1e-2)
+    status, text = run_repro(files.script)
+    assert status == 1 and "emulation applied: FaultMode(rel=0.001, op='gelu') (shadow " in text
 
 
 def test_per_class_limit_and_the_cap_leave_out_what_the_report_says():
@@ -161,8 +167,13 @@ def test_shadow_run_keeps_inputs_and_shadow_repro_names_the_emulation(tmp_path, 
     assert main(["repro", "r.json"]) == 0
     folder = f"repro-mm-{mm.index}"
     assert f"wrote {folder}/repro.py" in capsys.readouterr().out
-    status, text = run_repro(os.path.abspath(f"{folder}/repro.py"))
-    assert status == 0 and "TF32" in text and "does not apply" in text  # float32 on the CPU: within budget
+    status, text = run_repro(os.path.abspath(f"{folder}/repro.py"), without_shadow=True)
+    assert status == 0 and "TF32" in text and "not applied" in text  # float32 on the CPU: within budget
+    status, out = run_repro(os.path.abspath(f"{folder}/repro.py"), "--json")  # TF32 applied: the record's figures
+    fig = figures(out)
+    assert status == 1 and fig["output_matches"] and fig["emulation_applied"] == ["TF32Mode('tf32', TF32Options("
+                                                                                  "rounding=<Rounding.NEAREST_EVEN: 'rne'>))"]
+    assert fig["budget_used"] == pytest.approx(mm.budget.used, rel=1e-2)
     assert main(["run", "--emulate", "tf32", "--max-repro-bytes", "0", "-o", "none.json", str(script)]) == 0
     assert not os.path.exists("none.json.inputs.pt")
     assert main(["repro", "none.json"]) == 2
@@ -215,3 +226,31 @@ def test_keeping_changes_nothing_of_the_programs_tensors():
         plain = F.gelu(x)
     assert sm.report.meta["repro"]["kept"] and torch.equal(y, plain)
     y.resize_(64)  # numpy's view of a storage would refuse: "Trying to resize storage that is not resizable"
+
+
+class Planted:
+    """A pickled object whose loading runs code (writes ``marker``): what weights_only=True must refuse."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_sidecar_or_inputs_pt_carrying_a_pickled_object_is_refused_and_runs_nothing(tmp_path):
+    rep, _ = faulted()
+    path = tmp_path / "r.json"
+    rep.save(path)
+    files = shadow.load_report(path).repro(None, tmp_path / "gelu")
+    marker = str(tmp_path / "ran")
+    for planted in (sidecar_path(path), files.inputs):
+        torch.save({"format": "shadow-inputs", "version": 1, "calls": [Planted(marker)]}, planted)
+    with pytest.raises(SidecarError, match="holds a pickled object other than tensors and plain values.*re-run the"):
+        shadow.load_report(path).repro()
+    status, text = run_repro(files.script)
+    assert status == 2 and "holds a pickled object other than tensors and plain values" in text, text
+    assert "Traceback" not in text and "shadow repro" in text
+    assert not os.path.exists(marker)
+    torch.load(files.inputs, weights_only=False)  # the file is armed: an unsafe load runs its code
+    assert os.path.exists(marker)

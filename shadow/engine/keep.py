@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from ..mirror import CPU
 from ..plan import ArgSpec
 from ..records import Record, op_class
-from ..reproscript import checksum
+from ..reproscript import checksum, is_plain
 from ..sidecar import PER_CLASS, KeptCall, KeptInputs, TensorSlot, encode
 from .values import Outputs, Prepared
 
@@ -34,8 +34,8 @@ class Keeper:
 
     def entered(self) -> None:
         """ShadowMode is entered: the emulations and fault modes of shadow's (entered outside it) the device
-        computes under."""
-        self.kept.emulation = [repr(m) for m in _get_current_dispatch_mode_stack()
+        computes under, outermost first, each as ``recorded`` has it."""
+        self.kept.emulation = [recorded(m) for m in _get_current_dispatch_mode_stack()
                                if type(m).__module__.startswith("shadow.modes.")]
 
     def consider(self, engine: Engine, prepared: Prepared, rec: Record, outputs: Outputs, args: tuple,
@@ -71,6 +71,21 @@ class Keeper:
     def _left_out(self, op: str, why: str) -> None:
         self.kept.leave_out(op, why)
         self.meta["repro"] = self.kept.summary()
+
+
+def recorded(mode: Any) -> dict:
+    """A device-side mode as the sidecar keeps it: its repr and its ``spec()`` (how repro.py builds it again where
+    shadow is installed: plain values only), or why it cannot be built again ("reason")."""
+    entry = {"repr": repr(mode)}
+    if not callable(getattr(mode, "spec", None)):
+        return {**entry, "reason": f"shadow does not re-create a {type(mode).__name__}"}
+    try:
+        spec = mode.spec()
+    except ValueError as exc:
+        return {**entry, "reason": str(exc)}
+    if not is_plain(spec["kwargs"]):
+        return {**entry, "reason": "its arguments are not plain values"}
+    return {**entry, **spec}
 
 
 def capture(engine: Engine, prepared: Prepared, rec: Record, outputs: Outputs, args: tuple, kwargs: dict,

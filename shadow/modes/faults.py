@@ -77,6 +77,17 @@ class FaultMode(Selecting):
             parts.append(f"random_sign=True, seed={self.seed}")
         return f"FaultMode({', '.join(parts)})"
 
+    def spec(self) -> dict:
+        """How ``shadow repro`` builds this fault again: its class and keyword arguments as plain values (an op as
+        its name); ValueError where one is not (a module given as an nn.Module)."""
+        op = self._op if self._op is None or isinstance(self._op, str) else \
+            getattr(self._op, "_qualified_op_name", str(self._op)).replace("::", ".")  # a packet's name, or str(op)
+        if self._module_arg is not None and not isinstance(self._module_arg, str):
+            raise ValueError("module= is an nn.Module, not its dotted path")
+        return {"class": f"{__name__}:{type(self).__qualname__}",
+                "kwargs": {"rel": self.rel, "op": op, "module": self._module_arg, "random_sign": self.random_sign,
+                           "seed": self.seed}}
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

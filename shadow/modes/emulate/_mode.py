@@ -93,6 +93,13 @@ class Emulation(TorchDispatchMode):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.options})"
 
+    def spec(self) -> dict:
+        """How ``shadow repro`` builds this device again: its name as ``emulate()`` (``shadow run --emulate``)
+        takes it, and its options (an enum's by value)."""
+        return {"emulate": self.name, "kwargs": {f.name: getattr(getattr(self.options, f.name), "value",
+                                                                 getattr(self.options, f.name))
+                                                 for f in dataclasses.fields(self.options) if f.init}}
+
     def __enter__(self):
         require_outside_shadow(f"emulate({self.name!r})" if type(self) is Emulation else f"{type(self).__name__}()")
         return super().__enter__()
