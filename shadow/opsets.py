@@ -105,7 +105,7 @@ DATA_MOVEMENT = frozenset({
     "nonzero", "index_copy", "index_fill", "masked_fill", "masked_scatter", "slice_scatter", "select_scatter",
     "diagonal_scatter", "as_strided_scatter", "where", "fill", "zero", "zeros", "zeros_like", "ones",
     "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "empty", "empty_like", "empty_strided",
-    "new_empty", "new_empty_strided", "scalar_tensor", "flip", "roll", "rot90", "repeat", "repeat_interleave",
+    "new_empty", "new_empty_strided", "scalar_tensor", "eye", "flip", "roll", "rot90", "repeat", "repeat_interleave",
     "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
     "replication_pad2d", "replication_pad3d", "tril", "triu", "_local_scalar_dense", "resize", "resize_as",
     "set", "_foreach_copy", "narrow_copy", "_unsafe_index", "embedding", "select_backward", "slice_backward",

@@ -47,7 +47,7 @@ class ArgSpec:
     def put(self, args: list, kwargs: dict, value: Any) -> None:
         if not self.kwarg_only and self.index < len(args):
             args[self.index] = value
-        elif self.name in kwargs:
+        else:  # by name, where the call passed it so or left it to its default
             kwargs[self.name] = value
 
 

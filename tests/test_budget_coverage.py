@@ -54,7 +54,9 @@ class Guesses:
 
     def read(self, sm: ShadowMode, where: str) -> None:
         for rec in sm.report.records:
-            if rec.budget is not None and rec.budget.is_default and rec.dtype in SWEPT:
+            # a guess, or no budget at all where a floating result was compared (budgets are on)
+            unjudged = rec.budget.is_default if rec.budget is not None else rec.local is not None
+            if unjudged and rec.dtype in SWEPT:
                 self.seen.setdefault(rec.op, where)
 
     def unexcused(self) -> dict[str, str]:

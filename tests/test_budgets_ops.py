@@ -104,6 +104,11 @@ def _logspace(dtype, base=10.0):
     torch.logspace(torch.tensor(-2.5), torch.tensor(3.0), 60, base=base, dtype=dtype)
 
 
+def _default_dtype(dtype):
+    """float32 asked for by giving no dtype (the default dtype), as programs do: its replay is still in float64."""
+    return None if dtype == torch.float32 else dtype
+
+
 def _pad_backward(dtype):
     x = _leaf(torch.randn(2, 3, 6, 7, generator=_g(12)), dtype)
     F.pad(x, (3, 2, 2, 3), mode="reflect").backward(torch.randn(2, 3, 11, 12, generator=_g(13)).to(dtype))
@@ -135,6 +140,12 @@ CASES = {
                                   HALVES, 1e-1),
     "logspace": Case("aten.logspace.Tensor_Tensor", _logspace, HALVES, 1e-1),
     "logspace_base2": Case("aten.logspace.Tensor_Tensor", lambda dt: _logspace(dt, 2.0), HALVES, 1e-1),
+    "logspace_default": Case("aten.logspace.default",
+                             lambda dt: torch.logspace(-2.5, 3.0, 60, dtype=_default_dtype(dt)), HALVES, 1e-1),
+    "linspace_default": Case("aten.linspace.default",
+                             lambda dt: torch.linspace(-1.0, 3.0, 61, dtype=_default_dtype(dt)), HALVES, 1e-2),
+    "arange_float": Case("aten.arange.start_step",
+                         lambda dt: torch.arange(-1.0, 3.0, 0.1, dtype=_default_dtype(dt)), HALVES, 1e-2),
     "reflection_pad2d_backward": Case("aten.reflection_pad2d_backward.default", _pad_backward, HALVES, 1e-1),
 }
 PARAMS = [pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}") for name, case in CASES.items() for dt in case.dtypes]
@@ -216,6 +227,9 @@ def test_bound_holds_against_float64_without_shadow(name, dtype):
     for func, args, kwargs in calls.calls:
         outs = func(*args, **kwargs)
         a64, k64 = tree_map(_upcast, args), tree_map(_upcast, kwargs)
+        if k64.get("dtype") is None and not any(isinstance(a, torch.Tensor) for a in args) \
+                and any(a.name == "dtype" for a in func._schema.arguments):  # a factory of the default dtype
+            k64["dtype"] = torch.float64
         refs = func(*a64, **k64)
         outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
         bounds = budget_for(func, a64, k64, list(refs), dtype).bound
@@ -247,6 +261,37 @@ def test_movement_is_exact(op):
     (rec,) = [r for r in sm.report.records if r.op == op]
     assert rec.budget.family == "movement" and not rec.budget.is_default
     assert rec.local.max_abs == 0.0 and rec.budget.used == 0.0
+
+
+FACTORIES = {
+    "linspace": lambda **kw: torch.linspace(-1, 3, 7, **kw),
+    "logspace": lambda **kw: torch.logspace(-2.5, 3.0, 9, **kw),
+    "arange": lambda **kw: torch.arange(0, 1, 0.1, **kw),
+    "full": lambda **kw: torch.full((3,), 0.1, **kw),
+    "eye": lambda **kw: torch.eye(3, **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_factory_of_the_default_dtype_is_shadowed_in_float64_and_judged(name):
+    """A factory op given no dtype makes float32; its shadow is the same op made in float64 without shadow (not
+    its float32 values upcast), and the call is held to a derived budget, within it."""
+    with ShadowMode(spot_checks="off") as sm:
+        t = FACTORIES[name]()
+    assert t.dtype == torch.float32
+    assert torch.equal(sm.shadow_of(t), FACTORIES[name](dtype=torch.float64))
+    (rec,) = sm.report.records
+    assert rec.budget is not None and not rec.budget.is_default and rec.budget.used <= 1.0, rec.budget
+    assert not sm.report.coverage.internal_errors
+
+
+def test_a_floating_result_of_integer_inputs_is_judged():
+    n = torch.tensor([768, 5])
+    with ShadowMode(spot_checks="off") as sm:
+        y = n / 7
+    (rec,) = [r for r in sm.report.records if r.op == "aten.div.Tensor"]
+    assert rec.budget is not None and not rec.budget.is_default and rec.budget.used <= 1.0
+    assert torch.equal(sm.shadow_of(y), n.double() / 7)  # 768 / 7 in float64, not float32's quotient upcast
 
 
 def test_explain_names_the_new_families_and_the_guess():

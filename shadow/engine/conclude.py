@@ -16,6 +16,7 @@ from ..rules import run_chain
 from .commit import adopt_all, commit, in_world
 from .judge import cpu_error, judge
 from .outputs import direct_outputs, read_outputs
+from .prepare import promoted
 from .record import record
 from .values import Outputs, Prepared, Replayed
 
@@ -28,6 +29,8 @@ def replay(engine: Engine, prepared: Prepared, out: Any) -> Replayed:
     uninitialized or deferred, on the device's own inputs upcast; ``Unsupported`` where it cannot be."""
     plan = prepared.plan
     inputs, local = prepared.shadow, prepared.local
+    if not prepared.inputs:
+        promoted(plan, inputs, out)
     kind, shadow = run_chain(prepared.chain, Replay(plan, inputs.args, inputs.kwargs, out, local, engine.scratch))
     if local is None or isinstance(shadow, Deferred) or (shadow is None and kind in (Kind.RANDOM, Kind.ADOPTED)):
         return Replayed(kind, shadow, None)

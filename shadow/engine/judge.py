@@ -33,7 +33,8 @@ def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, refere
     the local error is measured against), held to the op's budget (``budget_used``: max |error| / bound, or
     max_ulp / ulps for budgets in ulps), with its effective bits, after the spot check of the reference, whose
     untrusted elements are corrected first."""
-    budget = budget_of_outputs(engine, prepared, outputs) if prepared.budget else None
+    budget = budget_of_outputs(engine, prepared, outputs) \
+        if prepared.budget and (prepared.inputs or _floating(outputs)) else None
     spot = None
     if prepared.spot:
         check = spot_check(engine, prepared, out, references, outputs.dtype, budget,
@@ -54,6 +55,12 @@ def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, refere
     else:
         compared = tuple(_compare(engine, prepared, o, outputs, budget) for o in items)
     return merged_figures(engine, prepared, compared, budget, spot)
+
+
+def _floating(outputs: Outputs) -> bool:
+    """Whether a call has a floating tensor result (what a budget bounds)."""
+    return any(isinstance(o.device, torch.Tensor) and (o.device.is_floating_point() or o.device.is_complex())
+               for o in outputs.items)
 
 
 def _compare(engine: Engine, prepared: Prepared, o: Output, outputs: Outputs, budget: Budget | None) -> Compared:

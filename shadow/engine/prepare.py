@@ -11,7 +11,7 @@ import torch
 from ..budgets import reads_overwritten
 from ..errors import ShadowMemoryError, Unsupported
 from ..mirror import SHADOW_DTYPES, Placement
-from ..plan import ArgSpec, OpPlan
+from ..plan import ArgSpec, OpPlan, flat_returns
 from ..records import Event
 from .values import Args, Prepared
 
@@ -48,7 +48,9 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
     # inputs have no indices a reference could read
     spot = engine.spotting and dtype is not None and dtype != torch.float64 and not inputs.nested \
         and engine.spot.wants(plan.name)
-    budget = options.budgets and options.local and dtype is not None
+    # a floating result of no floating input (a factory op, an integer division) is held to its budget too: the
+    # judge asks for it only where an output is floating
+    budget = options.budgets and options.local
     fixed = route.fixed if budget else None
     pre = None
     if spot or (budget and fixed is None):
@@ -219,6 +221,25 @@ def remap_args(plan: OpPlan, place: Placement, a: Args) -> None:
         new = remap(plan, spec.name, v, place)
         if new is not v:
             spec.put(a.args, a.kwargs, new)
+
+
+def promoted(plan: OpPlan, a: Args, out: Any) -> None:
+    """A floating result of no floating input (a factory op given no dtype, ``n / 7``, ``arange(n) * 0.1``) is
+    made in the default dtype or the one the scalars imply: the replay makes it in the result's shadow dtype
+    instead (in place in these copies): a ``dtype`` left to its default names it, and integer tensor inputs are
+    upcast to it (exactly, below 2**53); bool ones stay, as masks."""
+    result = next((t for _, t in flat_returns(plan, out) if isinstance(t, torch.Tensor)), None)
+    target = SHADOW_DTYPES.get(result.dtype) if result is not None else None
+    if target is None:
+        return
+    for spec in plan.remap_args:
+        if spec.name == "dtype" and spec.get(a.args, a.kwargs) is None:
+            spec.put(a.args, a.kwargs, target)
+    for spec in plan.tensor_args:
+        t = spec.get(a.args, a.kwargs)
+        if isinstance(t, torch.Tensor) and t.dtype != torch.bool and not t.is_floating_point() \
+                and not t.is_complex():
+            spec.put(a.args, a.kwargs, t.to(target))
 
 
 def remap(plan: OpPlan, name: str, v: Any, place: Placement) -> Any:
