@@ -225,6 +225,37 @@ def test_bidirectional_lstm_within_budget():
     assert all(not r.budget.is_default and r.budget.used <= 1 for r in calls), [r.budget for r in calls]
 
 
+@pytest.mark.skipif(not HAS_MKLDNN_RNN, reason="this torch has no aten.mkldnn_rnn_layer")
+def test_bfloat16_lstm_layer_judged_as_a_bfloat16_kernel():
+    """oneDNN's bfloat16 LSTM backward returns float32 gradients of values it keeps in bfloat16: held to what a
+    correct bfloat16 layer errs. Without shadow, PyTorch's own bfloat16 LSTM (oneDNN off: every op rounds to
+    bfloat16) errs as much against float64 as oneDNN's does, so neither is a faulty kernel."""
+    torch.manual_seed(0)
+    lstm64 = nn.LSTM(8, 12).double()
+    x = torch.randn(7, 4, 8, dtype=torch.float64).bfloat16()
+    g = torch.randn(7, 4, 12, dtype=torch.float64).bfloat16()
+
+    def grads(dtype, onednn=True):
+        lstm, xs = copy.deepcopy(lstm64).bfloat16().to(dtype), x.to(dtype, copy=True).requires_grad_()
+        with torch.backends.mkldnn.flags(enabled=onednn):
+            out, _ = lstm(xs)
+            out.backward(g.to(dtype))
+        return [t.double() for t in (out, xs.grad, *(p.grad for p in lstm.parameters()))]
+
+    want = grads(torch.float64)
+    rel = lambda got: max(float((a - b).norm() / b.norm()) for a, b in zip(got, want))  # noqa: E731
+    onednn, native = rel(grads(torch.bfloat16)), rel(grads(torch.bfloat16, onednn=False))
+    assert onednn < 2 * native and native < 2 ** -6  # both a few bfloat16 units (u = 2**-8)
+    lstm, xs = copy.deepcopy(lstm64).bfloat16(), x.clone().requires_grad_()
+    with ShadowMode(spot_checks="off") as sm:
+        out, _ = lstm(xs)
+        out.backward(g)
+    calls = _calls(sm.report, "mkldnn_rnn_layer") + _calls(sm.report, "mkldnn_rnn_layer_backward")
+    if not calls:
+        pytest.skip("nn.LSTM did not take oneDNN's layer kernel here")
+    assert all(not r.budget.is_default and r.budget.used <= 1 for r in calls), [r.budget for r in calls]
+
+
 def test_gru_lm_step_judged_and_within_budget():
     sm, reference, tokens, out = _lm_step(nn.GRU(16, 24, num_layers=2, batch_first=True))
     report = sm.report

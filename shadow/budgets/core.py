@@ -398,6 +398,9 @@ class BudgetCall:
     ua: float
     scratch: Any = None  # shadow.scratch.Scratch: reused memory for the bounds' large temporaries (None: fresh)
     named: dict[str, Any] | None = None  # ``a`` once bound (a rule may pass its own)
+    # the unit roundoff of the device inputs' dtype where it is not the result's (oneDNN's bfloat16 LSTM backward
+    # returns float32 gradients of values it keeps in bfloat16); None: ``u``
+    u_inputs: float | None = None
     family: str | None = None  # the running rule's (set by ``BudgetRule``)
 
     @property
@@ -611,14 +614,14 @@ def overloads(*names: str) -> list[OpOverload]:
 
 
 def budget_for(func: OpOverload, args: Sequence | None, kwargs: dict | None, outputs: Sequence[Any] | Any,
-               dtype: torch.dtype, *, scratch: Any = None) -> Budget:
+               dtype: torch.dtype, *, scratch: Any = None, inputs_dtype: torch.dtype | None = None) -> Budget:
     """The budget of one call of ``func``.
 
     ``args``/``kwargs``: the op's device inputs upcast exactly to float64 on the CPU, as *before* the op
     ran (in-place ops overwrite them; None where :func:`fixed_budget` gives a rule); ``outputs``: the float64
     reference results, flattened (a single tensor is accepted); ``dtype``: the device dtype the error is
     measured in (the output's); ``scratch``: a ``shadow.scratch.Scratch`` the bounds' large temporaries may use
-    (the engine's).
+    (the engine's); ``inputs_dtype``: the device inputs' dtype, where a rule reads it (None: ``dtype``).
 
     >>> a = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]], dtype=torch.float64)
     >>> b = budget_for(aten.mm.default, (a, a.T), {}, [a @ a.T], torch.float32)
@@ -636,7 +639,8 @@ def budget_for(func: OpOverload, args: Sequence | None, kwargs: dict | None, out
         raise TypeError(f"budget_for({func}): its budget rule reads the op's arguments (fixed_budget is None): "
                         "pass them")
     call = BudgetCall(plan_of(func), args, kwargs, list(outputs), dtype, unit_roundoff(dtype),
-                      unit_roundoff(accumulation_dtype(dtype)), scratch)
+                      unit_roundoff(accumulation_dtype(dtype)), scratch,
+                      u_inputs=None if inputs_dtype in (None, dtype) else unit_roundoff(inputs_dtype))
     return BUDGETS.run(func, call)
 
 

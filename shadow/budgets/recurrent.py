@@ -77,7 +77,13 @@ def _layer(c: BudgetCall) -> tuple | None:
         return None
     x, w_ih, w_hh, b_ih, b_hh, hx, cx = inputs
     return lstm_layer(exact(x, c.ua), w_ih, w_hh, b_ih, b_hh, exact(hx, c.ua), exact(cx, c.ua), c.a["reverse"],
-                      linear=linear, keep=lambda v: v.stored(c.u))
+                      linear=linear, keep=lambda v: v.stored(_kept(c)))
+
+
+def _kept(c: BudgetCall) -> float:
+    """The unit roundoff of what the layer keeps between steps (h, c, the gates and their gradients): the inputs'
+    dtype's (oneDNN's bfloat16 backward keeps them in bfloat16 and returns float32 gradients)."""
+    return c.u if c.u_inputs is None else max(c.u, c.u_inputs)
 
 
 def _mkldnn_lstm(c: BudgetCall) -> list | None:
@@ -101,7 +107,7 @@ def _mkldnn_lstm_backward(c: BudgetCall) -> list | None:
     dc = exact(zero if gcy is None else gcy.reshape(zero.shape), c.ua)
     dx, dw_ih, dw_hh, db, dh, dc = lstm_layer_backward(
         exact(x, c.ua), w_ih, w_hh, layer[3], exact(c.a["grad_output"], c.ua), dh, dc, cat=cat, stack=stack,
-        keep=lambda v: v.stored(c.u))
+        keep=lambda v: v.stored(_kept(c)))
     return [dx, dw_ih, dw_hh, db, db, dh.reshape(shape), dc.reshape(shape)]
 
 

@@ -37,8 +37,10 @@ def budget_of(engine: Engine, prepared: Prepared, references: list, dtype: torch
     if prepared.fixed is not None:  # no argument read, no rule's code run: nothing to guard
         return prepared.fixed.budget(references, dtype)
     pre = prepared.pre
+    inputs_dtype = prepared.inputs[0].dtype if prepared.inputs else None
     return guarded(engine, prepared, None, lambda: budget_for(prepared.plan.func, pre.args, pre.kwargs, references,
-                                                               dtype, scratch=engine.scratch))
+                                                               dtype, scratch=engine.scratch,
+                                                               inputs_dtype=inputs_dtype))
 
 
 def with_bounds(engine: Engine, prepared: Prepared, budget: Budget | None) -> Budget | None:

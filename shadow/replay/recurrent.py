@@ -29,11 +29,11 @@ def lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h, c, reverse, linear=F.linear, keep=l
     """One LSTM layer over (T, B, I) input, as ``lstm_cell`` steps: (the outputs by step, h, c, per step what the
     backward reads). Written once on numbers: ``linear`` is F.linear's x @ w.T + b, ``keep`` the value the kernel
     keeps between steps (the budget's ``shadow.budgets.recurrent`` runs it on values carrying an error bound)."""
-    xw = linear(x, w_ih, b_ih)
+    xw = keep(linear(x, w_ih, b_ih))
     outs: list = [None] * x.shape[0]
     saved = []
     for t in (range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])):
-        hy, cy, gates = lstm_cell(xw[t].chunk(4, 1), linear(h, w_hh, b_hh).chunk(4, 1), c)
+        hy, cy, gates = lstm_cell(xw[t].chunk(4, 1), keep(linear(h, w_hh, b_hh)).chunk(4, 1), c, keep=keep)
         saved.append((t, gates, c, h, cy))
         h, c = keep(hy), keep(cy)
         outs[t] = h
@@ -50,7 +50,7 @@ def lstm_layer_backward(x, w_ih, w_hh, saved, grad_output, dh, dc, cat=torch.cat
         if grad_output is not None:
             dh = dh + grad_output[t]
         parts, dc = lstm_cell_backward(dh, dc, c_prev, cy, gates)
-        dgates[t], h_prev[t] = cat(list(parts), 1), h
+        dgates[t], h_prev[t] = keep(cat(list(parts), 1)), h  # the gates' gradients, as the weights' products read them
         dh, dc = keep(dgates[t] @ w_hh), keep(dc)
     g = stack(dgates)  # (T, B, 4H)
     rows = g.reshape(-1, g.shape[-1]).T
@@ -105,12 +105,13 @@ if hasattr(aten, "mkldnn_rnn_layer"):
 # (aten/src/ATen/native/cuda/RNN.cu), written once on numbers with +, -, * and .sigmoid()/.tanh(): the rules below
 # run it on float64 shadows, the cells' budget (shadow.budgets.recurrent) on values carrying an error bound.
 # Gates come chunked: LSTM (input, forget, cell, output), GRU (reset, update, new).
-def lstm_cell(igates, hgates, cx, b_ih=None, b_hh=None):
-    """(hy, cy, (i, f, g, o)) of one LSTM step from its gate pre-activations (biases not yet added)."""
+def lstm_cell(igates, hgates, cx, b_ih=None, b_hh=None, keep=lambda v: v):
+    """(hy, cy, (i, f, g, o)) of one LSTM step from its gate pre-activations (biases not yet added); ``keep``: the
+    gates as a kernel keeps them (oneDNN's workspace holds them in the device dtype)."""
     z = [a + b for a, b in zip(igates, hgates)]
     if b_ih is not None:
         z = [zk + bi + bh for zk, bi, bh in zip(z, b_ih, b_hh)]
-    i, f, g, o = z[0].sigmoid(), z[1].sigmoid(), z[2].tanh(), z[3].sigmoid()
+    i, f, g, o = keep(z[0].sigmoid()), keep(z[1].sigmoid()), keep(z[2].tanh()), keep(z[3].sigmoid())
     cy = f * cx + i * g
     return o * cy.tanh(), cy, (i, f, g, o)
 
