@@ -20,7 +20,7 @@ from ..opsets import Family
 from ..plan import OpPlan
 from .core import (Budget, BudgetCall, budget_for, coefficient, foreach_base, magnitude, overloads,
                    register_budget, register_budget_predicate)
-from .elementwise import ULPS, with_operand_term
+from .elementwise import ULPS, register_ulps, with_operand_term
 from .rounded import constant, exact
 
 ARITH_ULPS = ULPS["arith"]
@@ -243,3 +243,9 @@ def fused_optimizer_budget(c: BudgetCall) -> Budget:
         return [b for n in names for b in chains[n]]
 
     return c.budget(bounds)
+
+
+# GradScaler's bookkeeping (shadow.replay.amp): the gradients times inv_scale, the scale times its growth or backoff
+# factor, one rounding each; found_inf and the growth tracker as the device set them
+register_ulps(overloads("_amp_foreach_non_finite_check_and_unscale", "_amp_update_scale"), Family.ELEMENTWISE,
+              ULPS["arith"])

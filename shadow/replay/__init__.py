@@ -1,11 +1,12 @@
 """How each aten op is recomputed in float64: the rule table (``table``), the rules for views,
 uninitialized memory and randomness (``noncompute``), and, by family (``shadow.opsets.Family``), fused device
 kernels with no float64 CPU kernel (``attention``: scaled dot product attention; ``recurrent``: oneDNN LSTM, the
-fused LSTM and GRU cells) and the collectives (``collectives``)."""
+fused LSTM and GRU cells; ``amp``: GradScaler's bookkeeping and the fused optimizers' scale) and the collectives
+(``collectives``)."""
 
 import torch
 
-from . import attention, noncompute, recurrent  # noqa: F401  (their rules register in the table)
+from . import amp, attention, noncompute, recurrent  # noqa: F401  (their rules register in the table)
 
 if torch.distributed.is_available():  # the c10d collectives, replayed on shadow's own process groups
     from . import collectives  # noqa: F401
