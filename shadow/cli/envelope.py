@@ -40,8 +40,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help=f"of the band: a further correct run lies inside with this chance (default {CONFIDENCE})")
     p.add_argument("--seed", type=int, default=0, help="the first run's seed of its random roundings (default 0)")
     p.add_argument("-o", "--output", metavar="PATH", default="shadow-envelope.json",
-                   help="where to write the envelope (default shadow-envelope.json); shadow show REPORT --envelope "
-                        "PATH compares a run with it")
+                   help="where to write the envelope (default shadow-envelope.json; shadow.load_envelope reads it)")
 
 
 @command("envelope", "the band of losses correct implementations of a script's training reach, step by step: the "
@@ -75,7 +74,7 @@ def execute(args: argparse.Namespace) -> int:
         env.save(output)
     print(env.table())
     print(f"shadow: envelope written to {args.output}: {env.runs} {env.device} runs of {env.steps} steps; compare a "
-          f"run with it: shadow show REPORT --envelope {args.output}", file=sys.stderr)
+          f"run's losses with shadow.load_envelope({args.output!r}).contains(losses)", file=sys.stderr)
     return 0
 
 
