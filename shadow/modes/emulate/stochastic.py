@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ...budgets import budget_for
+from ...devices import holds_dtype
 from ...errors import ShadowOptionError
 from ...plan import OpPlan, flat_returns
 from ...rules import RuleTable
@@ -87,8 +88,10 @@ def _rounds(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in ROUNDED and t.numel() > 0 and not t._is_zerotensor()
 
 
-def _widen(t: torch.Tensor, _spec: Any = None) -> torch.Tensor:
-    return t.to(torch.float64, copy=True) if _rounds(t) else t
+def _widen(t: torch.Tensor, host: bool) -> torch.Tensor:
+    """A float64 copy of a rounded tensor (the others as they are), on the CPU where the device holds no float64."""
+    device = "cpu" if host else t.device
+    return t.to(device).to(torch.float64, copy=True) if _rounds(t) else t.to(device)
 
 
 def _claimed(plan: OpPlan) -> bool:
@@ -101,9 +104,12 @@ def _random_rounding(plan: OpPlan, args: tuple, kwargs: dict, options: Stochasti
     """Run the op as the device does (its result's dtype, shape and writes), then overwrite each rounded floating
     result with its float64 value (computed on the inputs as they were before the op), perturbed within
     ``options.fraction`` of its budget where ``budgeted`` and the budget is a sum's, and rounded stochastically."""
-    if not any(_rounds(t) for _, t in plan.tensors(args, kwargs)):
+    rounded = [t for _, t in plan.tensors(args, kwargs) if _rounds(t)]
+    if not rounded:
         return NotImplemented
-    wide_args, wide_kwargs = plan.map_tensors(args, kwargs, _widen)  # copies: the op may overwrite its inputs
+    host = not holds_dtype(rounded[0].device, torch.float64)  # DirectML: the float64 work on the CPU
+    # copies: the op may overwrite its inputs
+    wide_args, wide_kwargs = plan.map_tensors(args, kwargs, lambda t, _: _widen(t, host))
     out = plan.func(*args, **kwargs)
     results = [(t, w) for (_, t), (_, w) in zip(plan.tensors(args, kwargs, plan.writes),
                                                  plan.tensors(wide_args, wide_kwargs, plan.writes))]
@@ -116,7 +122,7 @@ def _random_rounding(plan: OpPlan, args: tuple, kwargs: dict, options: Stochasti
     if inputs is not None:
         _perturb(plan, inputs, results, options)
     for t, w in results:
-        t.copy_(stochastic_round(w, t.dtype, options.generator))
+        t.copy_(stochastic_round(w, t.dtype, options.generator).to(t.device))
     return out
 
 
