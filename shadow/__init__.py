@@ -28,6 +28,7 @@ _PUBLIC = {  # name -> the module that defines it
     "merge_reports": "distributed",
     "audit": "precision", "AuditReport": "precision", "AuditRow": "precision", "Plan": "precision.lowering",
     "explain": "explanation", "Explanation": "explanation",
+    "envelope": "attribution.envelope", "Envelope": "band", "load_envelope": "band",
 }
 __all__ = list(_PUBLIC)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import math
 import os
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,6 +28,8 @@ from .verdict import FORMATS, STORED_BITS, arithmetic, op_classes
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+    from .band import Envelope
 
 NEED_MATPLOTLIB = ("shadow's plots need matplotlib, which is not installed: pip install matplotlib "
                    "(or pip install 'shadow[display]')")
@@ -254,6 +256,40 @@ def trajectory_figure(report: ReportData) -> Figure:
     ax.set_title("drift of the loss and of the parameters over the run")
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
+    return fig
+
+
+def envelope_figure(env: Envelope, losses: dict[str, Sequence[Any]] | Sequence[Any] | None = None) -> Figure:
+    """The envelope of correct implementations (``shadow.envelope``): each step's band and each random-rounding run,
+    as the loss minus the float64 loss, and ``losses`` (one run, or runs by name) drawn on it, a ring where one
+    leaves the band.
+
+    >>> fig = envelope_figure(env, {"cuda": cuda_losses})     # doctest: +SKIP
+    """
+    fig = _new_figure(9, 4.5)
+    from matplotlib.ticker import MaxNLocator
+
+    ax = fig.add_subplot()
+    x = list(range(1, env.steps + 1))
+    ref = env.float64
+    ax.fill_between(x, [lo - r for lo, r in zip(env.low, ref)], [hi - r for hi, r in zip(env.high, ref)],
+                    color=_WITHIN, alpha=0.2, lw=0, label=f"{env.confidence:.0%} band of correct implementations")
+    for i, run in enumerate(env.values):
+        ax.plot(x, [v - r for v, r in zip(run, ref)], color=_WITHIN, lw=0.6, alpha=0.6,
+                label=f"{env.runs} {env.device} runs" if i == 0 else None)
+    ax.axhline(0.0, color="black", lw=0.8, label="float64")
+    named = losses if isinstance(losses, dict) else {} if losses is None else {"run": losses}
+    for name, values in named.items():
+        shown = [float(v) for v in values][:env.steps]
+        ax.plot(x[:len(shown)], [v - r for v, r in zip(shown, ref)], marker=".", label=name)
+        out = [i for i, inside in enumerate(env.contains(shown)) if not inside]
+        ax.scatter([x[i] for i in out], [shown[i] - ref[i] for i in out], s=80, facecolors="none",
+                   edgecolors=_OVER, zorder=3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss - float64 loss")
+    ax.set_title("the envelope of correct implementations")
+    ax.legend(fontsize="small")
     return fig
 
 

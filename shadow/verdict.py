@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from .amplification import Amplification, amplification
 from .nonfinite import Absorbed, Flow, Reach, flow
 from .records import KERNELS_KEY, Aggregate, Record, op_class
 from .reportdata import ReportData
+
+if TYPE_CHECKING:
+    from .band import Envelope
 
 # mantissa bits each dtype stores (what `effective_bits` reads in), and the narrower arithmetics an error may read
 # like: the same 10 bits are TF32 in a matmul or convolution and float16 elsewhere
@@ -251,6 +255,55 @@ def _absorbed_line(a: Absorbed, trained: bool) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class BandCheck:
+    """A run's loss against the envelope of correct implementations (``shadow.envelope``): whether it stays in the
+    band, step by step, and the first step where it leaves it."""
+
+    first: int  # the first step compared (the report's first shadowed optimizer step)
+    steps: int  # steps compared
+    runs: int  # the envelope's runs with random rounding
+    device: str  # ... their emulated device
+    confidence: float  # the band's
+    left: int | None  # the first step whose loss lies outside the band (None: inside at every step compared)
+    loss: float = math.nan  # at that step: the run's loss, the band's edges and the float64 loss
+    low: float = math.nan
+    high: float = math.nan
+    float64: float = math.nan
+
+    def __str__(self) -> str:
+        band = f"the {self.confidence:.0%} band of correct implementations ({self.runs} {self.device} runs)"
+        last = self.first + self.steps - 1
+        if self.left is None:
+            return f"the loss stays inside {band} at every step compared ({self.first} to {last}): normal rounding"
+        side = "above" if self.loss > self.high else "below"
+        edge = self.high if self.loss > self.high else self.low
+        return (f"the loss leaves {band} at step {self.left}: {self.loss:.9g} lies {abs(self.loss - edge):.2e} "
+                f"{side} it ([{self.low - self.float64:+.2e}, {self.high - self.float64:+.2e}] around the float64 "
+                f"loss {self.float64:.9g}, {abs(self.loss - self.float64) / (self.high - self.low):.2g} band widths "
+                "away): more than correct rounding makes")
+
+
+def check_band(report: ReportData, envelope: Envelope) -> BandCheck | None:
+    """``report``'s losses per optimizer step (its trajectory) against ``envelope``, from the step shadowing began
+    (``shadow run --skip-steps``); None where the report has no loss in a step the envelope covers."""
+    first = 1 + int((report.meta.get("run") or {}).get("skip_steps") or 0)
+    losses = []
+    for s in report.trajectory[:max(0, envelope.steps - first + 1)]:
+        if s.loss is None:
+            break
+        losses.append(s.loss)
+    if not losses:
+        return None
+    left = envelope.leaves(losses, start=first)
+    kept = dict(runs=envelope.runs, device=envelope.device, confidence=envelope.confidence)
+    if left is None:
+        return BandCheck(first, len(losses), left=None, **kept)
+    i = left - 1
+    return BandCheck(first, len(losses), left=left, loss=losses[left - first], low=envelope.low[i],
+                     high=envelope.high[i], float64=envelope.float64[i], **kept)
+
+
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     """What a report concludes. ``lines`` (``text``) render it; the fields hold the same findings as data."""
 
@@ -273,13 +326,15 @@ class Verdict:
     kernels: tuple[FusedKernel, ...]  # fused kernels of compiled graphs over budget, judged alone, worst first
     known: tuple[tuple[str, str], ...]  # (op class over budget, the kernel property that explains it: KERNELS)
     amplification: Amplification | None = None  # drift correct rounding grew into (None: over budget, or none)
+    band: BandCheck | None = None  # the loss against an envelope of correct implementations (None: none given)
 
     @property
     def suspicious(self) -> bool:
         """Something a user should look at: an op over budget, NaN/Inf reaching what is trained or disagreed on past
         the kept records, a wrong reference. Calls judged only by a guessed budget are none of these (no
         evidence either way): ``guessed`` lists them, and they are never counted in the all-clear."""
-        return bool(self.over_budget or self.nonfinite or self.first_nonfinite_op or self.untrusted)
+        return bool(self.over_budget or self.nonfinite or self.first_nonfinite_op or self.untrusted
+                    or (self.band is not None and self.band.left is not None))
 
     @property
     def plot(self) -> str:
@@ -318,6 +373,8 @@ class Verdict:
                        "--max-records / max_records)")
         if self.amplification is not None:
             out += self.amplification.lines(dtypes)
+        if self.band is not None and self.band.left is not None:
+            out.append(str(self.band))
         if self.untrusted:
             shown = _names([f"{op} ({_plural(n, 'call')})" for op, n in self.untrusted])
             out.append(f"float64 itself is inaccurate (cancellation) in {shown}: their figures use mpmath's exact "
@@ -334,6 +391,8 @@ class Verdict:
             else:
                 out.append(f"{self.replayed} replayed calls, none held to an error budget (budgets off): "
                            "their local errors are not judged")
+        if self.band is not None and self.band.left is None:
+            out.append(str(self.band))
         out[0] = "verdict: " + out[0]
         shown_absorbed = self.absorbed[:_SHOWN]
         out += [_absorbed_line(a, self.trained) for a in shown_absorbed]
@@ -449,8 +508,9 @@ def _per_class(by_op: dict[str, Aggregate], count: str) -> tuple[tuple[str, int]
     return tuple(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def conclude(report: ReportData) -> Verdict:
-    """The verdict on ``report``: findings as data, and their lines."""
+def conclude(report: ReportData, envelope: Envelope | None = None) -> Verdict:
+    """The verdict on ``report``: findings as data, and their lines; with ``envelope`` (``shadow.envelope``), whether
+    the run's loss stays in the band of correct implementations, and from which step it leaves it."""
     by_op = report.by_op
     classes = op_classes(report)
     nonfinite = flow(report)
@@ -486,4 +546,5 @@ def conclude(report: ReportData) -> Verdict:
         untrusted=untrusted,
         unsupported=unsupported, unsupported_calls=cov.unsupported_calls, notes=tuple(notes),
         kernels=fused_kernels(report), known=known_kernels(over_budget, report.meta.get("numerics") or {}),
-        amplification=None if nonfinite.reaches else amplification(report))
+        amplification=None if nonfinite.reaches else amplification(report),
+        band=None if envelope is None else check_band(report, envelope))

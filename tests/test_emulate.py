@@ -403,7 +403,7 @@ def test_modes_consume_no_random_numbers(name):
 def test_emulate_names_and_options_are_validated():
     assert isinstance(emulate("tf32", rounding="rne"), TF32Mode)
     assert emulate("fp16_accum", block=8).options.block == 8
-    names = r"\['bf16', 'fp16', 'fp16_accum', 'fp8', 'ftz', 'tf32'\]"
+    names = r"\['bf16', 'fp16', 'fp16_accum', 'fp8', 'ftz', 'stochastic', 'stochastic_budget', 'tf32'\]"
     with pytest.raises(ValueError, match=r"emulate\('tf16'\): expected one of " + names):
         emulate("tf16")
     with pytest.raises(TypeError, match="unexpected keyword argument 'rounding'"):

@@ -78,7 +78,7 @@ def execute(args: argparse.Namespace) -> int:
     device = emulate(args.emulate) if args.emulate else contextlib.nullcontext()  # outside ShadowMode, as it must be
     with Stops() as stops:
         with device, window, Progress(sm.report, step=lambda: window.done, shadowing=lambda: window.active):
-            status = _exec_script(args.script, args.args, stops)
+            status = exec_script(args.script, args.args, stops)
         rep = sm.report
         rep.meta["run"] = {"argv": [args.script, *args.args], "emulate": args.emulate, "skip_steps": args.skip_steps,
                            "steps": args.steps, "optimizer_steps": window.done, "exit_status": status}
@@ -278,16 +278,19 @@ def _untraced(frame: Any, event: str, arg: Any) -> None:
     return None
 
 
-def _exec_script(path: str, argv: list[str], stops: Stops) -> int:
+def exec_script(path: str, argv: list[str], stops: Stops, *, ends: tuple[type[BaseException], ...] = ()) -> int:
     """Run ``path`` as ``python path ARGS...`` would: as ``__main__``, with ``sys.argv`` = [path, ARGS...] and its
     folder first on ``sys.path``. Returns its exit status; an exception is printed as the script's own traceback
-    (shadow's and runpy's frames left out) and gives 1, as Python gives; a signal (``stops``) 128 + its number."""
+    (shadow's and runpy's frames left out) and gives 1, as Python gives; a signal (``stops``) 128 + its number; an
+    exception of ``ends`` (shadow stopping the script, ``shadow envelope``) gives 0."""
     saved_argv, saved_path = sys.argv, sys.path[:]
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
         with stops.armed():
             runpy.run_path(path, run_name="__main__")
+    except ends:
+        return 0
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0

@@ -2,14 +2,16 @@
 shadow can be tested against defects whose size is known in advance (and a user can ask "what would
 TF32 do to my model?").
 
-======================  ===========================================================================
-``TF32Mode()``          float32 matmul and convolution: operands rounded to TF32, float32 accumulation
-``BF16Mode()``          float32 storage, bfloat16 arithmetic: floating inputs and outputs rounded
-``FP16AccumMode()``     float16 sums, means, cumsums and matmuls through a float16 accumulator
-``FTZMode()``           flush-to-zero: subnormal inputs and outputs become signed zeros
-``FP16Mode()``          float32 storage, float16 arithmetic: inputs and outputs rounded (inf above 65504)
-``FP8Mode()``           float32 matmuls on FP8 operands (E4M3, gradients E5M2), per-tensor amax scaling
-======================  ===========================================================================
+==========================  ===========================================================================
+``TF32Mode()``              float32 matmul and convolution: operands rounded to TF32, float32 accumulation
+``BF16Mode()``              float32 storage, bfloat16 arithmetic: floating inputs and outputs rounded
+``FP16AccumMode()``         float16 sums, means, cumsums and matmuls through a float16 accumulator
+``FTZMode()``               flush-to-zero: subnormal inputs and outputs become signed zeros
+``FP16Mode()``              float32 storage, float16 arithmetic: inputs and outputs rounded (inf above 65504)
+``FP8Mode()``               float32 matmuls on FP8 operands (E4M3, gradients E5M2), per-tensor amax scaling
+``StochasticMode()``        a correct implementation with random rounding: float64 results, rounded stochastically
+``StochasticBudgetMode()``  ... and sums' results moved within a fraction of their budget (``shadow.envelope``)
+==========================  ===========================================================================
 
 ``shadow.modes.Scoped(mode, op=..., module=...)`` applies one to part of a program only.
 
@@ -40,6 +42,7 @@ from .fp8 import FP8Mode
 from .fp16 import FP16Mode
 from .fp16_accum import FP16AccumMode
 from .ftz import FTZMode
+from .stochastic import StochasticBudgetMode, StochasticMode
 from .tf32 import TF32Mode
 
 __all__ = [
@@ -50,6 +53,8 @@ __all__ = [
     "FTZMode",
     "FP16Mode",
     "FP8Mode",
+    "StochasticMode",
+    "StochasticBudgetMode",
     "emulate",
     "EMULATIONS",
     "EmulationOrderError",
