@@ -188,8 +188,10 @@ def test_random_ops_are_adopted_not_replayed(dml):
     assert sm.report.coverage.internal_errors == 0
     assert all(torch.equal(a, b.cpu()) for a, b in zip(plain, dev))
     x, y, z, w = plain
+    x64 = torch.linspace(-1, 1, 64, dtype=torch.float64)  # linspace's shadow is made in float64
+    assert torch.equal(shadows[0], x64)
     mask = (y != 0).double()  # the device's mask, read off its result: the shadow is x * 3 / (1 - p) there
-    assert rel(shadows[1], x.double() * 3 * mask * 2) < TOL
+    assert rel(shadows[1], x64 * 3 * mask * 2) < TOL
     assert rel(shadows[3], w.double()) < 1e-7  # adopted draws (float32), summed in float64
 
 
