@@ -140,7 +140,7 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert lines.index("```sh") <= 2, "the README must open with its commands"
     assert block == [
         "python -m pip install torch==2.13.0 -e '.[test]' && python -m shadow demo",
-        "python -m pip install torch==2.13.0 -e '.[test]' && python -m pytest -q",
+        "python -m pip install torch==2.13.0 -e '.[test]' && python -m pytest -q -n 2",
     ]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci and "python -m pip install torch==2.13.0\n" in ci
