@@ -270,3 +270,29 @@ def test_gru_lm_step_judged_and_within_budget():
     assert 1e-8 < want < 1e-5
     assert _rel([(out, sm.shadow_of(out))]) == pytest.approx(want, rel=1e-3)
     torch.testing.assert_close(sm.shadow_of(out), out64.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_lstm_layer_bias_sum_rounded_in_the_inputs_dtype():
+    """oneDNN takes one bias per gate, b_ih + b_hh added by PyTorch in the layer's dtype: where the input projection
+    cancels b_ih (x @ w = -256, b_ih = 256, b_hh = 0.5), the bfloat16 sum 256.5 rounds to 256 and every gate's
+    pre-activation reads 0 instead of 0.5. A correct bfloat16 kernel: the float64 layer with only that sum rounded
+    gives what the device gives, and the budget allows it (it read 50x before the sum's rounding was in it; torch
+    2.4.1's bfloat16 layer met such a gate in tests/test_detection.py's LSTM)."""
+    lstm = nn.LSTM(1, 1).bfloat16()
+    with torch.no_grad():
+        lstm.weight_ih_l0.fill_(-256.0), lstm.weight_hh_l0.zero_()
+        lstm.bias_ih_l0.fill_(256.0), lstm.bias_hh_l0.fill_(0.5)
+    x = torch.ones(1, 1, 1, dtype=torch.bfloat16)
+    lstm64 = copy.deepcopy(lstm).double()
+    want, _ = lstm64(x.double())
+    with torch.no_grad():
+        lstm64.bias_ih_l0.copy_((lstm.bias_ih_l0 + lstm.bias_hh_l0).double()), lstm64.bias_hh_l0.zero_()
+    rounded_sum, _ = lstm64(x.double())
+    with ShadowMode(spot_checks="off") as sm:
+        out, _ = lstm(x)
+    calls = _calls(sm.report, "mkldnn_rnn_layer")
+    if not calls:
+        pytest.skip("nn.LSTM did not take oneDNN's layer kernel here")
+    assert float(want) == pytest.approx(0.1743, abs=1e-4) and float(rounded_sum) == 0.0 == float(out)
+    assert float(sm.shadow_of(out)) == float(want)
+    assert all(not r.budget.is_default and 0.1 < r.budget.used <= 1 for r in calls), [r.budget for r in calls]

@@ -76,7 +76,11 @@ def _layer(c: BudgetCall) -> tuple | None:
     if inputs is None:
         return None
     x, w_ih, w_hh, b_ih, b_hh, hx, cx = inputs
-    return lstm_layer(exact(x, c.ua), w_ih, w_hh, b_ih, b_hh, exact(hx, c.ua), exact(cx, c.ua), c.a["reverse"],
+    # oneDNN takes one bias per gate: PyTorch adds b_ih + b_hh in the inputs' dtype first (one rounding, which
+    # reads as a large relative error where a gate's pre-activation cancels to near zero: measured on torch 2.4.1's
+    # bfloat16 layer, whose output there matched the float64 layer with only that sum rounded)
+    bias = None if b_ih is None else (exact(b_ih, c.ua) + b_hh).stored(_kept(c))
+    return lstm_layer(exact(x, c.ua), w_ih, w_hh, bias, None, exact(hx, c.ua), exact(cx, c.ua), c.a["reverse"],
                       linear=linear, keep=lambda v: v.stored(_kept(c)))
 
 

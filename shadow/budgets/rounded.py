@@ -158,13 +158,14 @@ def matmul(a: Any, b: Any) -> Rounded:
     return Rounded(av @ bv, e, r.ua)
 
 
-def linear(x: Any, w: torch.Tensor, b: torch.Tensor | None) -> Rounded:
-    """x @ w.T + b (``F.linear``) with an exact weight and bias: the K products and the bias accumulate in any
-    order, gamma_{K+1}(ua) times the sum of their magnitudes."""
+def linear(x: Any, w: torch.Tensor, b: Any) -> Rounded:
+    """x @ w.T + b (``F.linear``) with an exact weight and a bias exact or ``Rounded``: the K products and the bias
+    accumulate in any order, gamma_{K+1}(ua) times the sum of their magnitudes, plus the bias's own error."""
     ua = x.ua
+    bv = value(b)
     k = w.shape[-1] + (b is not None)
-    e = F.linear(x.full(), w.abs()) + gamma(k, ua) * F.linear(x.v.abs(), w.abs(), None if b is None else b.abs())
-    return Rounded(F.linear(x.v, w, b), e, ua)
+    e = F.linear(x.full(), w.abs()) + gamma(k, ua) * F.linear(x.v.abs(), w.abs(), None if b is None else bv.abs())
+    return Rounded(F.linear(x.v, w, bv), e + error(b), ua)
 
 
 def cat(parts: list[Any], dim: int) -> Rounded:
