@@ -28,8 +28,6 @@ _PAIRWISE_BACKWARD = ("sum over the other points of g (x_i - x_j) |x_i - x_j|**(
                       "(not derived yet)")
 _HISTOGRAM = ("counts in bins whose edges the device computes itself (linspace in its dtype, then a local search), "
               "with weights and density: histc's edge-flip bound not extended to them yet")
-_CHUNKED = ("torch 2.13's chunked linear + log-softmax + nll returning the loss and its gradients at once (a Python "
-            "custom op): its matmuls', log-softmax's and nll's bounds composed per chunk: not derived yet")
 GUESS_ALLOWED: dict[str, str] = {
     "aten._pdist_backward.default": _PAIRWISE_BACKWARD,
     "aten._cdist_backward.default": _PAIRWISE_BACKWARD,
@@ -41,8 +39,6 @@ GUESS_ALLOWED: dict[str, str] = {
     "aten.histogram.bins_tensor": _HISTOGRAM,
     "aten._histogramdd_from_bin_cts.default": _HISTOGRAM,
     "aten._histogramdd_from_bin_tensors.default": _HISTOGRAM,
-    "torch_nn._linear_cross_entropy_batch_chunked.default": _CHUNKED,
-    "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": _CHUNKED,
 }
 
 

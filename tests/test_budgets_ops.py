@@ -114,8 +114,29 @@ def _pad_backward(dtype):
     F.pad(x, (3, 2, 2, 3), mode="reflect").backward(torch.randn(2, 3, 11, 12, generator=_g(13)).to(dtype))
 
 
+def _linear_ce(dtype, reduction="mean", weighted=False):
+    """torch 2.13's chunked linear + cross entropy: a vocabulary of 300, rows ignored, class weights."""
+    g = _g(14)
+    x = _leaf(torch.randn(24, 16, generator=g), dtype)
+    w = _leaf(torch.randn(300, 16, generator=g) / 4, dtype)
+    b = _leaf(torch.randn(300, generator=g), dtype)
+    target = torch.randint(0, 300, (24,), generator=g)
+    target[[3, 17]] = -100
+    weight = (torch.rand(300, generator=g) + 0.5).to(dtype) if weighted else None
+    loss = F.linear_cross_entropy(x, w, target, linear_bias=b, weight=weight, reduction=reduction,
+                                  options=torch.nn.LinearCrossEntropyOptions(batch_chunk_size=5))
+    loss.sum().backward()
+
+
 HALVES = (torch.float32, torch.bfloat16)
-CASES = {
+CHUNKED_CE = {  # torch >= 2.13
+    "linear_ce_mean": Case("torch_nn._linear_cross_entropy_batch_chunked.default", _linear_ce, HALVES),
+    "linear_ce_sum_weighted": Case("torch_nn._linear_cross_entropy_batch_chunked.default",
+                                   lambda dt: _linear_ce(dt, "sum", True), HALVES),
+    "linear_ce_none": Case("torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default",
+                           lambda dt: _linear_ce(dt, "none", True), HALVES),
+} if hasattr(torch.nn, "LinearCrossEntropyOptions") else {}
+CASES = CHUNKED_CE | {
     "ctc": Case("aten._ctc_loss.default", _ctc),
     "ctc_tensor": Case("aten._ctc_loss.Tensor", lambda dt: _ctc(dt, True)),
     "ctc_backward": Case("aten._ctc_loss_backward.default", _ctc),
@@ -187,7 +208,8 @@ def test_correct_kernel_within_budget_and_a_fault_over_it(name, dtype):
     used = _used(lambda: case.run(dtype), case.op)
     assert max(used) <= 1.0, used
     rel = case.rel if dtype == torch.float32 else case.rel_bf16
-    faulty = _used(lambda: case.run(dtype), case.op, FaultMode(rel=rel, op=case.op))
+    fault = FaultMode(rel=rel, op=case.op) if case.op.startswith("aten.") else _Perturbed(case.op, rel)
+    faulty = _used(lambda: case.run(dtype), case.op, fault)
     assert max(faulty) > 1.0, faulty
 
 
@@ -204,6 +226,22 @@ class _Calls(TorchDispatchMode):
             copy = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
             self.calls.append((func, tree_map(copy, args), tree_map(copy, kwargs)))
         return func(*args, **kwargs)
+
+
+class _Perturbed(TorchDispatchMode):
+    """FaultMode's fault on a custom op, which FaultMode does not select (it perturbs aten ops only): floating
+    outputs times (1 + rel), rounded once to their dtype."""
+
+    def __init__(self, op: str, rel: float):
+        super().__init__()
+        self.op, self.rel = op, rel
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) != self.op:
+            return out
+        perturb = lambda t: (t.double() * (1 + self.rel)).to(t.dtype) if t.is_floating_point() else t  # noqa: E731
+        return tree_map(lambda t: perturb(t) if isinstance(t, torch.Tensor) else t, out)
 
 
 def _upcast(x):

@@ -298,3 +298,72 @@ def ctc_backward_budget(c: BudgetCall) -> Budget:
         return [g * elp * ((EXP_ULPS + 1) * c.u) + x_gr * (e + (EXP_ULPS + 1) * c.u) + c.final(r, 2.0)]
 
     return c.budget(make)
+
+
+# --- torch 2.13's chunked linear + cross entropy (F.linear_cross_entropy with options): a Python custom op that
+# returns the loss and, for mean/sum, its gradients at once, for an upstream gradient of 1 ---
+def _chunked_ops() -> list:
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401 (registers the torch_nn ops; torch >= 2.13)
+    except ImportError:
+        return []
+    ns = torch.ops.torch_nn
+    return [ns._linear_cross_entropy_batch_chunked.default, ns._linear_cross_entropy_batch_chunked_no_reduction.default]
+
+
+@register_budget(*_chunked_ops(), family=Family.LOSS)
+def linear_cross_entropy_budget(c: BudgetCall) -> Budget:
+    """z = x W^T + b (N, V), l_i = w_t (lse_i - z_{i,t}), reduced; the gradients from G = s w_t (softmax(z) - onehot_t)
+    (s = 1 / total weight for the mean): G W, G^T x, sum_i G. First order, values stored at u, sums at ua:
+    e_z = gamma_{K+1}(ua) (|x| |W|^T + |b|) + u |z|; lse off by p . e_z + ua (p . |z - m| + |lse|) + u |lse| +
+    (EXP_ULPS + 2) ua + gamma_V(ua); p_ij by p_ij (e_z + e_lse + (EXP_ULPS + 1) ua); each product and sum then
+    adds its own gamma over the terms it runs over (V for G W, N for G^T x and the reductions); the loss and the
+    weight and bias gradients, summed chunk by chunk (``batch_chunk_size`` rows) into a total kept in the device
+    dtype, gamma_C(u) more for C chunks."""
+    a = c.a
+    if a.get("label_smoothing", 0.0):
+        return NotImplemented  # the chunked path runs without smoothing only
+    x, w_lin, b_lin, target = a["input"], a["linear_weight"], a["linear_bias"], a["target"]
+    red = a.get("reduction", "none")
+    n, k = x.shape
+    v = w_lin.shape[0]
+    u, ua = c.u, c.ua
+    chunks = gamma(-(-n // max(int(a["batch_chunk_size"]), 1)), u)  # the totals' roundings, one per chunk
+
+    def make():
+        z = torch.nn.functional.linear(x, w_lin, b_lin)
+        e_z = gamma(k + 1, ua) * torch.nn.functional.linear(x.abs(), w_lin.abs(), None if b_lin is None else
+                                                            b_lin.abs()) + u * z.abs()
+        lse = z.logsumexp(1, keepdim=True)
+        p = (z - lse).exp()
+        m = z.amax(1, keepdim=True)
+        e_lse = ((p * e_z).sum(1, keepdim=True) + ua * ((p * (z - m).abs()).sum(1, keepdim=True) + lse.abs())
+                 + u * lse.abs() + (EXP_ULPS + 2) * ua + gamma(v, ua))
+        counted = target != a["ignore_index"]
+        t = target.clamp(0, v - 1)
+        wt = (torch.ones(n, dtype=torch.float64) if a["weight"] is None else a["weight"][t]) * counted
+        rows = torch.arange(n)
+        li = wt * (lse[:, 0] - z[rows, t])
+        e_li = wt.abs() * (e_lse[:, 0] + e_z[rows, t] + ua * (lse[:, 0] - z[rows, t]).abs()) + ua * li.abs()
+        out = [c.out(i) for i in range(len(c.outputs))]
+        if red == "none":
+            return [e_li + c.final(out[0])]
+        total = wt.sum()
+        wabs = float(wt.abs().sum())
+        # the mean's divisor: the total weight, a sum of N terms (its relative error gamma_N(ua) sum|w| / |W|)
+        s, s_rel = (1.0, 0.0) if red == "sum" else (1.0 / float(total), gamma(n, ua) * wabs / abs(float(total)) + ua)
+        loss = (e_li.sum() + (gamma(n, ua) + chunks) * li.abs().sum()) * abs(s) + s_rel * abs(float(li.sum() * s))
+        bounds: list = [loss + c.final(out[0], 2.0)]
+        onehot = torch.zeros_like(p)
+        onehot[rows, t] = 1.0
+        g = s * wt[:, None] * (p - onehot)
+        e_g = (abs(s) * wt.abs()[:, None] * (p * (e_z + e_lse + (EXP_ULPS + 1) * ua) + ua * (p - onehot).abs())
+               + (s_rel + u) * g.abs())
+        grads = [lambda: e_g @ w_lin.abs() + gamma(v, ua) * (g.abs() @ w_lin.abs()),
+                 lambda: e_g.T @ x.abs() + (gamma(n, ua) + chunks) * (g.abs().T @ x.abs()),
+                 lambda: e_g.sum(0) + (gamma(n, ua) + chunks) * g.abs().sum(0)]
+        for r, grad in zip(out[1:4], grads):  # an output not asked for is empty
+            bounds.append(None if r.numel() == 0 else grad().reshape(r.shape) + c.final(r))
+        return bounds
+
+    return c.budget(make)
