@@ -144,27 +144,28 @@ class Envelope:
         """The first step at which ``losses`` lie outside the band (None: inside at every step)."""
         return next((start + i for i, inside in enumerate(self.contains(losses, start=start)) if not inside), None)
 
-    def table(self, losses: Sequence[Any] | None = None) -> str:
-        """Step, float64 loss, the band's edges and width (and ``losses`` with whether each lies inside)."""
+    def table(self, losses: Sequence[Any] | None = None, *, start: int = 1) -> str:
+        """Step, float64 loss, the band's edges and width (and ``losses``, the first at step ``start``, with whether
+        each lies inside)."""
         head = f"{'step':>5}  {'float64':>14}  {'low - float64':>14}  {'high - float64':>14}  {'width':>9}"
-        shown = [float(v) for v in losses] if losses is not None else None
+        shown = None if losses is None else {start - 1 + i: float(v) for i, v in enumerate(losses)}
         if shown is not None:
             head += f"  {'loss - float64':>14}  inside"
         lines = [f"envelope of {self.runs} {self.device} runs, {self.confidence:.0%} band", head]
         for i in range(self.steps):
             ref, lo, hi = self.float64[i], self.low[i], self.high[i]
             line = f"{i + 1:>5}  {ref:>14.8g}  {lo - ref:>+14.3e}  {hi - ref:>+14.3e}  {number(hi - lo):>9}"
-            if shown is not None and i < len(shown):
+            if shown is not None and i in shown:
                 line += f"  {shown[i] - ref:>+14.3e}  {'yes' if lo <= shown[i] <= hi else 'NO'}"
             lines.append(line)
         return "\n".join(lines)
 
-    def plot(self, losses: dict[str, Sequence[Any]] | Sequence[Any] | None = None) -> Figure:
+    def plot(self, losses: dict[str, Sequence[Any]] | Sequence[Any] | None = None, *, start: int = 1) -> Figure:
         """The band and each run's loss against the float64 loss, step by step (``losses``: other runs to draw, by
-        name); a ``matplotlib.figure.Figure`` (matplotlib imported here: it is optional)."""
+        name, the first at step ``start``); a ``matplotlib.figure.Figure`` (matplotlib imported here: optional)."""
         from .plots import envelope_figure
 
-        return envelope_figure(self, losses)
+        return envelope_figure(self, losses, start=start)
 
     # --- saved form ---
     def to_dict(self) -> dict:

@@ -16,13 +16,18 @@ import base64
 import dataclasses
 import math
 from html import escape
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import plots
 from .records import Aggregate
 from .reportdata import ReportData
 from .tables import LEGEND, ORDER, budget_cell, drift_cell, floating, number, row_order, short_dtype, ulp_cell
-from .verdict import Verdict, conclude
+from .verdict import Verdict, conclude, run_losses
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .band import Envelope
 
 MAX_ROWS = 500  # rows of the over-budget table; the rest are counted (a long run can have thousands)
 
@@ -80,6 +85,9 @@ _CAPTIONS = {
                "parameter's optimizer calls count in its module's row.",
     "trajectory": "Drift of the loss and of the parameters after each optimizer step, against float64: growing, "
                   "saturating or washed out by training.",
+    "envelope": "The run's loss minus the float64 loss, step by step, on the band that correct implementations with "
+                "random rounding span (shadow envelope): a ring where the run leaves it, further from the true "
+                "result than correct rounding takes a run.",
 }
 _ORDER = f"Rows: {ORDER} (as Report.table); click a header to sort by it. Shaded rows had a call over budget. Columns:"
 
@@ -95,17 +103,19 @@ class _Cell:
         return f'<td class="num" data-v="{_sort_key(self.sort)}">{escape(self.text)}</td>'
 
 
-def render(report: ReportData, *, title: str = "shadow report") -> str:
+def render(report: ReportData, *, title: str = "shadow report", envelope: Envelope | None = None) -> str:
     """The report as one HTML page (a str; write it with ``encoding="utf-8"``). Plots need matplotlib; without it
-    the page says how to install it and shows everything else.
+    the page says how to install it and shows everything else. With ``envelope`` (``shadow.envelope``), the verdict
+    says whether the run's loss stays in its band, drawn with the run's loss under the verdict.
 
     >>> page = render(shadow.load_report("run.json"))   # doctest: +SKIP
     """
-    verdict = conclude(report)
+    verdict = conclude(report, envelope)
     body = [
         f"<h1>{escape(title)}</h1>",
         f'<pre class="verdict{" suspicious" if verdict.suspicious else ""}">{escape(verdict.text)}</pre>',
         _figure(report, verdict.plot, "verdict") if plots.has_matplotlib() else "",
+        "" if envelope is None else _envelope(report, envelope),
         _meta(report),
         "<h2>Coverage</h2>",
         f"<pre>{escape(str(report.coverage))}</pre>",
@@ -252,11 +262,19 @@ def _plots(report: ReportData, shown: str) -> str:
         f'\n<p class="note">The {escape(shown)} plot is at the top, under the verdict.</p>'
 
 
-def _figure(report: ReportData, name: str, css: str = "") -> str:
-    data = base64.b64encode(plots.png(plots.FIGURES[name](report))).decode("ascii")
+def _figure(report: ReportData, name: str, css: str = "", fig: Figure | None = None) -> str:
+    data = base64.b64encode(plots.png(plots.FIGURES[name](report) if fig is None else fig)).decode("ascii")
     css = f' class="{css}"' if css else ""
     return (f'<figure id="plot-{name}"{css}><img alt="{escape(name)} plot" '
             f'src="data:image/png;base64,{data}"><figcaption>{escape(_CAPTIONS[name])}</figcaption></figure>')
+
+
+def _envelope(report: ReportData, envelope: Envelope) -> str:
+    """The band of correct implementations with the run's loss: the figure (with matplotlib) and the table."""
+    first, losses = run_losses(report, envelope.steps)
+    figure = _figure(report, "envelope", fig=plots.run_envelope_figure(report, envelope)) \
+        if plots.has_matplotlib() else ""
+    return "<h2>Envelope</h2>\n" + figure + f"\n<pre>{escape(envelope.table(losses, start=first))}</pre>"
 
 
 def _sort_key(x: float) -> str:

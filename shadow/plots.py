@@ -23,7 +23,7 @@ from .nonfinite import flow
 from .records import Aggregate, Phase, Record, op_class
 from .reportdata import ReportData
 from .tables import number
-from .verdict import FORMATS, STORED_BITS, arithmetic, op_classes
+from .verdict import FORMATS, STORED_BITS, arithmetic, op_classes, run_losses
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -259,10 +259,11 @@ def trajectory_figure(report: ReportData) -> Figure:
     return fig
 
 
-def envelope_figure(env: Envelope, losses: dict[str, Sequence[Any]] | Sequence[Any] | None = None) -> Figure:
+def envelope_figure(env: Envelope, losses: dict[str, Sequence[Any]] | Sequence[Any] | None = None, *,
+                    start: int = 1) -> Figure:
     """The envelope of correct implementations (``shadow.envelope``): each step's band and each random-rounding run,
-    as the loss minus the float64 loss, and ``losses`` (one run, or runs by name) drawn on it, a ring where one
-    leaves the band.
+    as the loss minus the float64 loss, and ``losses`` (one run, or runs by name, the first at step ``start``) drawn
+    on it, a ring where one leaves the band.
 
     >>> fig = envelope_figure(env, {"cuda": cuda_losses})     # doctest: +SKIP
     """
@@ -280,10 +281,11 @@ def envelope_figure(env: Envelope, losses: dict[str, Sequence[Any]] | Sequence[A
     ax.axhline(0.0, color="black", lw=0.8, label="float64")
     named = losses if isinstance(losses, dict) else {} if losses is None else {"run": losses}
     for name, values in named.items():
-        shown = [float(v) for v in values][:env.steps]
-        ax.plot(x[:len(shown)], [v - r for v, r in zip(shown, ref)], marker=".", label=name)
-        out = [i for i, inside in enumerate(env.contains(shown)) if not inside]
-        ax.scatter([x[i] for i in out], [shown[i] - ref[i] for i in out], s=80, facecolors="none",
+        shown = [float(v) for v in values][:max(0, env.steps - start + 1)]
+        at = x[start - 1:start - 1 + len(shown)]
+        ax.plot(at, [v - ref[s - 1] for v, s in zip(shown, at)], marker=".", label=name)
+        out = [i for i, inside in enumerate(env.contains(shown, start=start)) if not inside]
+        ax.scatter([at[i] for i in out], [shown[i] - ref[at[i] - 1] for i in out], s=80, facecolors="none",
                    edgecolors=_OVER, zorder=3)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
@@ -291,6 +293,12 @@ def envelope_figure(env: Envelope, losses: dict[str, Sequence[Any]] | Sequence[A
     ax.set_title("the envelope of correct implementations")
     ax.legend(fontsize="small")
     return fig
+
+
+def run_envelope_figure(report: ReportData, env: Envelope) -> Figure:
+    """``envelope_figure`` with the report's own loss per optimizer step (``run_losses``) drawn on the band."""
+    first, losses = run_losses(report, env.steps)
+    return envelope_figure(env, {"this run": losses}, start=first)
 
 
 FIGURES: dict[str, Callable[[ReportData], Figure]] = {"drift": drift_figure, "budget": budget_figure, "bits": bits_figure,
@@ -305,19 +313,23 @@ def png(fig: Figure, *, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
-def write_pngs(report: ReportData, directory: str | os.PathLike, *, dpi: int = 100) -> list[str]:
-    """Write every figure of ``FIGURES`` as ``DIRECTORY/NAME.png`` (the directory is created if missing); returns
-    the paths written.
+def write_pngs(report: ReportData, directory: str | os.PathLike, *, dpi: int = 100,
+               envelope: Envelope | None = None) -> list[str]:
+    """Write every figure of ``FIGURES`` as ``DIRECTORY/NAME.png`` (the directory is created if missing), and
+    ``envelope.png`` with ``envelope`` (``run_envelope_figure``); returns the paths written.
 
     >>> write_pngs(rep, "plots")                 # doctest: +SKIP
     ['plots/drift.png', 'plots/budget.png', 'plots/bits.png', 'plots/modules.png', 'plots/trajectory.png']
     """
     os.makedirs(directory, exist_ok=True)
     paths = []
-    for name, make in FIGURES.items():
+    figures = {name: lambda make=make: make(report) for name, make in FIGURES.items()}
+    if envelope is not None:
+        figures["envelope"] = lambda: run_envelope_figure(report, envelope)
+    for name, make in figures.items():
         path = os.path.join(directory, f"{name}.png")
         with open(path, "wb") as f:
-            f.write(png(make(report), dpi=dpi))
+            f.write(png(make(), dpi=dpi))
         paths.append(path)
     return paths
 

@@ -23,6 +23,10 @@ allows it), ``ignore``
 (op names excused: "aten.mm", "mm" or "aten.mm.default"), ``emulate`` (an emulated device by name, entered outside
 ShadowMode: shadow.modes.emulate), and any ShadowMode option (``local=``, ``spot_checks=``...).
 
+A loss held to the band of correct implementations rather than to a hand-picked ``atol``:
+``shadow.testing.assert_within_envelope(losses, "tests/envelope.json")``, the envelope made once by
+``shadow envelope`` or ``shadow.envelope(...).save(path)`` (docs/envelope.md).
+
 The fixture ``shadow_mode`` is a ShadowMode, not yet entered, with the marker's options; a test that uses it
 decides what is shadowed, and a marked one is judged on that. Tests that use neither pay nothing: this module
 imports torch and shadow's engine only when one does.

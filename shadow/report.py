@@ -16,6 +16,7 @@ from .reportdata import ReportData
 from .sidecar import KeptInputs, sidecar_path
 
 if TYPE_CHECKING:
+    from .band import Envelope
     from .repro import ReproFiles
 
 
@@ -89,15 +90,18 @@ class Report(ReportData):
         return tables.table(self, by, top, phase=phase, tree=tree)
 
     def summary(self, by: str = "op", top: int | None = None, *, phase: str | None = None, tree: bool = False,
-                rich: bool = False, color: bool = False, width: int = 120) -> str:
+                rich: bool = False, color: bool = False, width: int = 120, envelope: Envelope | None = None) -> str:
         """What ``shadow show`` prints: the table (``table``), how its rows are sorted and what each column means,
         and the verdict (``shadow.verdict.conclude``: what is over budget, where NaN/Inf is born, what was not
         checked, or the all-clear). ``rich=True`` draws the table with the ``rich`` package (``pip install rich``),
-        at most ``width`` characters wide, with ANSI colours if ``color`` (for a terminal).
+        at most ``width`` characters wide, with ANSI colours if ``color`` (for a terminal). With ``envelope``
+        (``shadow.envelope``), the verdict says whether the run's loss stays in its band, and the band's table
+        follows it.
 
         >>> print(rep.summary(top=10))     # doctest: +SKIP
         """
-        return tables.summary(self, by, top, phase=phase, tree=tree, rich=rich, color=color, width=width)
+        return tables.summary(self, by, top, phase=phase, tree=tree, rich=rich, color=color, width=width,
+                              envelope=envelope)
 
 
 def load_report(path: str | os.PathLike) -> Report:

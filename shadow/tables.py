@@ -11,17 +11,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import textwrap
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .records import Aggregate
 from .reportdata import ReportData
-from .verdict import conclude
+from .verdict import conclude, run_losses
+
+if TYPE_CHECKING:
+    from .band import Envelope
 
 
 def summary(report: ReportData, by: str = "op", top: int | None = None, *, phase: str | None = None,
-            tree: bool = False, rich: bool = False, color: bool = False, width: int = 120) -> str:
+            tree: bool = False, rich: bool = False, color: bool = False, width: int = 120,
+            envelope: Envelope | None = None) -> str:
     """What ``shadow show`` prints (``Report.summary``): the table, how its rows are sorted and what each column
-    means, and the verdict."""
+    means, and the verdict (with ``envelope``: whether the run's loss stays in its band, and the band's table)."""
     t = text_table(report, by, top, phase, tree)
     lines = [_rich_table(t.head, t.rows, width, color) if rich else _plain_table(t.head, t.rows)]
     if len(t.rows) < t.total:
@@ -37,7 +41,10 @@ def summary(report: ReportData, by: str = "op", top: int | None = None, *, phase
     for name, text in legend:
         lines += textwrap.wrap(text, width=max(width, 60), initial_indent=f"  {name:<{name_w}}  ",
                                subsequent_indent=" " * (name_w + 4), break_on_hyphens=False)
-    lines += ["", conclude(report).text]
+    lines += ["", conclude(report, envelope).text]
+    if envelope is not None:
+        first, losses = run_losses(report, envelope.steps)
+        lines += ["", envelope.table(losses, start=first)]
     return "\n".join(lines)
 
 

@@ -283,15 +283,22 @@ class BandCheck:
                 "away): more than correct rounding makes")
 
 
-def check_band(report: ReportData, envelope: Envelope) -> BandCheck | None:
-    """``report``'s losses per optimizer step (its trajectory) against ``envelope``, from the step shadowing began
-    (``shadow run --skip-steps``); None where the report has no loss in a step the envelope covers."""
+def run_losses(report: ReportData, steps: int) -> tuple[int, list[float]]:
+    """(the first step, the losses): ``report``'s loss per optimizer step (its trajectory) up to step ``steps``, from
+    the step shadowing began (``shadow run --skip-steps``), as far as each step has a loss."""
     first = 1 + int((report.meta.get("run") or {}).get("skip_steps") or 0)
     losses = []
-    for s in report.trajectory[:max(0, envelope.steps - first + 1)]:
+    for s in report.trajectory[:max(0, steps - first + 1)]:
         if s.loss is None:
             break
         losses.append(s.loss)
+    return first, losses
+
+
+def check_band(report: ReportData, envelope: Envelope) -> BandCheck | None:
+    """``report``'s losses (``run_losses``) against ``envelope``; None where the report has no loss in a step the
+    envelope covers."""
+    first, losses = run_losses(report, envelope.steps)
     if not losses:
         return None
     left = envelope.leaves(losses, start=first)

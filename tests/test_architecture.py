@@ -17,7 +17,8 @@ LAYERS = (
     ("report format", ("shadow.reportformat", "shadow.sidecar")),
     ("report data", ("shadow.reportdata", "shadow.trajectory", "shadow.nonfinite")),
     ("verdict", ("shadow.verdict", "shadow.reportdiff", "shadow.amplification")),
-    ("render", ("shadow.tables", "shadow.band", "shadow.report", "shadow.html", "shadow.plots", "shadow.progress", "shadow.repro")),
+    ("render", ("shadow.tables", "shadow.band", "shadow.report", "shadow.html", "shadow.plots", "shadow.progress", "shadow.repro",
+                "shadow.testing")),
     ("cli", ("shadow.cli", "shadow.cli.*")),
 )
 # what records, reports and verdicts never depend on: the engine side that produces them

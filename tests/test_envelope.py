@@ -205,3 +205,110 @@ def test_shadow_envelope_on_an_unmodified_script(tmp_path):
     # third step's optimizer step, before its print
     plain = [float(v) for v in done.stdout.split()[:2]]
     assert env.steps == 3 and env.runs == 2 and env.contains(plain) == [True, True]
+
+
+def test_assert_within_envelope_holds_a_test_to_the_band(tmp_path, built):
+    """shadow.testing: the CPU float32 run passes against the band loaded from a file, a faulty one fails naming
+    the step where it leaves and the table."""
+    from shadow.testing import assert_within_envelope
+
+    env, _, start, _ = built
+    env.save(tmp_path / "env.json")
+    assert_within_envelope(_train(start), tmp_path / "env.json")
+    assert_within_envelope(torch.tensor(_train(start)[1:]), env, start=2)  # tensors, from step 2
+    with FaultMode(rel=1e-3, op="mm"):
+        bad = _train(start)
+    left = env.leaves(bad)
+    with pytest.raises(AssertionError, match=f"band of correct implementations .* at step {left}: ") as caught:
+        assert_within_envelope(bad, tmp_path / "env.json")
+    msg = str(caught.value)
+    assert "NO" in msg and ("above its upper edge" in msg or "below its lower edge" in msg), msg
+
+
+def test_run_show_and_html_hold_a_report_to_an_envelope(tmp_path):
+    """shadow run / show / html --envelope: the script's own float32 run stays inside, its bfloat16 emulation leaves
+    at step 1; the table, the figure; a missing envelope is refused with the fix."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\ntorch.manual_seed(0)\nm = torch.nn.Linear(8, 1)\nx, y = torch.randn(16, 8), "
+                      "torch.randn(16, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\nfor _ in range(4):\n"
+                      "    opt.zero_grad()\n    loss = torch.nn.functional.mse_loss(m(x), y)\n    loss.backward()\n"
+                      "    opt.step()\n")
+    shadow_cli = [sys.executable, "-m", "shadow"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*shadow_cli, *args], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+
+    assert cli("envelope", "--runs", "3", "--steps", "4", "-o", "env.json", str(script)).returncode == 0
+    plain = cli("run", "-o", "f32.json", "--envelope", "env.json", str(script))
+    assert plain.returncode == 0 and "stays inside the 99% band" in plain.stderr, plain.stderr
+    bf16 = cli("run", "--emulate", "bf16", "-o", "bf16.json", "--envelope", "env.json", str(script))
+    assert bf16.returncode == 0 and "leaves the 99% band of correct implementations (3 stochastic_budget runs) at " \
+        "step 1" in bf16.stderr, bf16.stderr
+    shown = cli("show", "bf16.json", "--envelope", "env.json", "--plain")
+    assert shown.returncode == 0 and "at step 1" in shown.stdout
+    rows = [line.split() for line in shown.stdout.splitlines() if line.split()[:1] in (["1"], ["4"])][-2:]
+    assert [r[-1] for r in rows] == ["NO", "NO"], shown.stdout
+    page = cli("html", "bf16.json", "-o", "page.html", "--envelope", "env.json", "--png", "png")
+    html = (tmp_path / "page.html").read_text()
+    assert page.returncode == 0 and "<h2>Envelope</h2>" in html and "at step 1" in html
+    from shadow import plots
+    if plots.has_matplotlib():
+        assert 'id="plot-envelope"' in html and (tmp_path / "png" / "envelope.png").stat().st_size > 1000
+    missing = cli("show", "f32.json", "--envelope", "nope.json")
+    assert missing.returncode == 2 and "--envelope nope.json: no such file; make one with shadow envelope" in \
+        missing.stderr
+
+
+@pytest.mark.slow
+def test_the_band_on_the_prototypes_wide_mlp_holds_real_implementations_and_widens_as_runs_diverge():
+    """The 256-512-512-1 tanh MLP of issue 58's prototype (batch 128, SGD lr 0.2, 40 steps, 8 runs), where the
+    single-rounding band left out x @ W.T + b at step 20: the CPU float32 run, x @ W.T + b and the float64 model
+    inside at every step; a 1e-3 mm fault out from step 2; the runs diverge (the band 1e-3 wide past step 20,
+    4e-6 at step 1, measured), so the band widens as they do. About 40 s on two cores."""
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512),
+                                torch.nn.Tanh(), torch.nn.Linear(512, 1))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(128, 256, generator=g), torch.randn(128, 1, generator=g)
+    steps = 40
+
+    def train(dtype=torch.float32, matmul=False):
+        m = copy.deepcopy(start).to(dtype)
+        opt = torch.optim.SGD(m.parameters(), lr=0.2)
+        out = []
+        for _ in range(steps):
+            opt.zero_grad()
+            h = x.to(dtype)
+            for layer in m:
+                h = h @ layer.weight.T + layer.bias if matmul and isinstance(layer, torch.nn.Linear) else layer(h)
+            loss = F.mse_loss(h, y.to(dtype))
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    model = copy.deepcopy(start)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+
+    def step():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    env = shadow.envelope(step, runs=8, steps=steps)
+    f32, mm, f64 = train(), train(matmul=True), train(torch.float64)
+    assert f32 != mm  # the two implementations round differently
+    for losses in (f32, mm, f64):
+        assert env.contains(losses) == [True] * steps, env.table(losses)
+    with FaultMode(rel=1e-3, op="mm"):
+        bad = train()
+    left = env.leaves(bad)
+    assert left is not None and left <= 2, env.table(bad)
+    width = [hi - lo for lo, hi in zip(env.low, env.high)]
+    assert abs(bad[left - 1] - env.float64[left - 1]) > 50 * width[left - 1]  # 90 band widths, measured
+    assert max(width[15:]) > 30 * width[0], width

@@ -10,6 +10,7 @@ import signal
 import sys
 from typing import Any, Callable
 
+from ..band import Envelope, load_envelope
 from ..errors import ReportFormatError
 from ..report import Report, load_report
 from .registry import Failure
@@ -101,6 +102,27 @@ def load(path: str) -> Report:
         raise Failure(f"{exc}; give a report written by shadow run or Report.save") from None
     except OSError as exc:
         raise Failure(f"{path}: {exc.strerror}") from None
+
+
+def envelope_argument(p: argparse.ArgumentParser) -> None:
+    """``--envelope PATH``: a saved envelope (``shadow envelope -o``) the verdict holds the run's loss to."""
+    p.add_argument("--envelope", metavar="PATH", default=None, help="an envelope written by shadow envelope (-o "
+                   "PATH): the verdict says whether the run's loss stays in its band of correct implementations")
+
+
+def envelope(path: str | None) -> Envelope | None:
+    """The envelope saved at ``path`` (None: none given), or a ``Failure`` saying what is wrong and what to give."""
+    if path is None:
+        return None
+    if not os.path.exists(path):
+        raise Failure(f"--envelope {path}: no such file; make one with shadow envelope SCRIPT -o {path}")
+    try:
+        return load_envelope(path)
+    except ReportFormatError as exc:
+        raise Failure(f"--envelope {exc}; give a file written by shadow envelope SCRIPT -o PATH") from None
+    except (OSError, ValueError) as exc:  # unreadable, or not JSON
+        raise Failure(f"--envelope {path}: cannot be read ({exc}); give a file written by shadow envelope -o") \
+            from None
 
 
 def describe(path: str, rep: Report) -> str:

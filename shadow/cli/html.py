@@ -10,7 +10,7 @@ from .. import plots
 from ..errors import ReportFormatError
 from ..html import render
 from ..report import load_report
-from .common import unwritable
+from .common import envelope, envelope_argument, unwritable
 from .registry import command, fail
 
 
@@ -19,6 +19,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="FILE", required=True, help="the HTML file to write")
     p.add_argument("--png", metavar="DIR", default=None,
                    help="also write the plots as PNG files into DIR (created if missing)")
+    envelope_argument(p)
 
 
 @command("html", "write a self-contained HTML report", arguments)
@@ -40,11 +41,12 @@ def execute(args: argparse.Namespace) -> int:
             plots.require_matplotlib()
         except ImportError as exc:
             return fail(f"html: --png: {exc}")
-    page = render(report)
+    env = envelope(args.envelope)
+    page = render(report, envelope=env)
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(page)
     print(f"wrote {args.output}")
     if args.png is not None:
-        for path in plots.write_pngs(report, args.png):
+        for path in plots.write_pngs(report, args.png, envelope=env):
             print(f"wrote {path}")
     return 0

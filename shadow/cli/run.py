@@ -18,7 +18,8 @@ import torch
 from ..distributed import rank_path
 from ..modes.emulate import EMULATIONS
 from ..options import FOLLOW, MAX_REPRO_BYTES
-from .common import STOP_SIGNALS, count, count_or_all, positive_int, shadowed, spot_checks, unwritable
+from .common import (STOP_SIGNALS, count, count_or_all, envelope, envelope_argument, positive_int, shadowed, spot_checks,
+                     unwritable)
 from .registry import Failure, command
 
 DEFAULT_MAX_RECORDS = 10_000  # per-call records kept by `run` (~1.2 kB each in the file); the tables cover every call
@@ -55,6 +56,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-repro-bytes", type=count, default=MAX_REPRO_BYTES, metavar="N",
                    help=f"bytes of inputs kept of the worst calls over budget, for shadow repro (default "
                         f"{MAX_REPRO_BYTES >> 20} MiB; 0 keeps none), in REPORT.inputs.pt beside the report")
+    envelope_argument(p)
 
 
 @command("run", "run a Python script unchanged under ShadowMode (like python -m cProfile) and write its report",
@@ -71,6 +73,7 @@ def execute(args: argparse.Namespace) -> int:
     if problem := unwritable(args.output):
         raise Failure(f"-o {args.output}: {problem}; give a writable path")
     output = os.path.abspath(args.output)  # where the user meant, even if the script changes directory
+    env = envelope(args.envelope)  # read before the script runs: a wrong path fails at once
     sm = ShadowMode(local=args.local, drift=args.drift, follow=args.follow, max_records=args.max_records,
                     spot_checks=args.spot_checks, budgets=args.budgets, compare_cpu=args.compare_cpu,
                     callsites=args.callsites, max_repro_bytes=args.max_repro_bytes)
@@ -96,7 +99,7 @@ def execute(args: argparse.Namespace) -> int:
             return status
         raise Failure(f"the script made {window.done} optimizer steps, so shadowing (from the end of step "
                        f"{args.skip_steps}) never began: nothing was shadowed; give a smaller --skip-steps")
-    for line in conclude(rep).lines:
+    for line in conclude(rep, env).lines:
         print(f"shadow: {line}", file=sys.stderr)
     _note(hint)
     return status

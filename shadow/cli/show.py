@@ -8,7 +8,7 @@ import argparse
 from ..distributed import merge_reports
 from ..records import Phase
 from ..reportdata import VIEWS
-from .common import count_or_all, describe, load, summary
+from .common import count_or_all, describe, envelope, envelope_argument, load, summary
 from .registry import Failure, command
 
 
@@ -23,12 +23,14 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", action="store_true", help="with --by module: every module, its submodules folded in")
     p.add_argument("--plain", action="store_true",
                    help="plain text even on a terminal with rich installed (rich draws the table otherwise)")
+    envelope_argument(p)
 
 
 @command("show", "print a report's table, the legend of its columns and the verdict", arguments)
 def execute(args: argparse.Namespace) -> int:
     if args.tree and args.by != "module":
         raise Failure("--tree folds modules into their parents: use it with --by module")
+    env = envelope(args.envelope)
     if len(args.report) == 1:
         rep = load(args.report[0])
         print(describe(args.report[0], rep))
@@ -38,7 +40,8 @@ def execute(args: argparse.Namespace) -> int:
               f"{', '.join(args.report)}")
     print()
     try:
-        print(summary(rep, by=args.by, top=args.top, phase=args.phase, tree=args.tree, plain=args.plain))
+        print(summary(rep, by=args.by, top=args.top, phase=args.phase, tree=args.tree, plain=args.plain,
+                      envelope=env))
     except ValueError as exc:  # a report saved before call sites and phases were aggregated
         raise Failure(str(exc)) from None
     print()
