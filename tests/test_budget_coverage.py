@@ -26,8 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 _PAIRWISE_BACKWARD = ("sum over the other points of g (x_i - x_j) |x_i - x_j|**(p-2) / d**(p-1) with d the device's "
                       "distance: a bound needs the pairwise terms' magnitudes and pow's error at near-duplicate points "
                       "(not derived yet)")
-_HISTOGRAM = ("counts in bins whose edges the device computes itself (linspace in its dtype, then a local search), "
-              "with weights and density: histc's edge-flip bound not extended to them yet")
 GUESS_ALLOWED: dict[str, str] = {
     "aten._pdist_backward.default": _PAIRWISE_BACKWARD,
     "aten._cdist_backward.default": _PAIRWISE_BACKWARD,
@@ -35,10 +33,6 @@ GUESS_ALLOWED: dict[str, str] = {
         "grad_input scatters weights that move with the rounded coordinates over every output touching a pixel, "
         "grad_grid differences neighbouring values times (size - 1) / 2: not derived yet"),
     "aten.grid_sampler_3d_backward.default": "as grid_sampler_2d_backward",
-    "aten.histogram.bin_ct": _HISTOGRAM,
-    "aten.histogram.bins_tensor": _HISTOGRAM,
-    "aten._histogramdd_from_bin_cts.default": _HISTOGRAM,
-    "aten._histogramdd_from_bin_tensors.default": _HISTOGRAM,
 }
 
 

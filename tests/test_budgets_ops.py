@@ -24,6 +24,8 @@ from shadow.modes.faults import FaultMode
 from shadow.plan import plan_of
 from shadow.replay import defined_regions
 
+import unjudged
+
 aten = torch.ops.aten
 
 
@@ -336,12 +338,14 @@ def test_explain_names_the_new_families_and_the_guess():
     for op, family in ((aten._ctc_loss.default, "loss"), (aten._ctc_loss_backward.Tensor, "loss"),
                        (aten.multi_margin_loss_backward.default, "loss"), (aten.glu_backward.default, "elementwise"),
                        (aten._pdist_forward.default, "reduction"), (aten.grid_sampler_3d.default, "elementwise"),
-                       (aten.histc.default, "reduction"), (aten.block_diag.default, "movement")):
+                       (aten.histc.default, "reduction"), (aten.histogram.bin_ct, "reduction"),
+                       (aten.bincount.default, "reduction"),
+                       (aten.block_diag.default, "movement")):
         e = explain(op)
         assert e.budget[0].family == family, (op, e.budget[0])
         first = e.render().split("then default")[0]
         assert "a guess" not in first, op
-    guess = explain(aten.histogram.bin_ct)  # still no rule (tests/test_budget_coverage.py: GUESS_ALLOWED)
+    guess = explain(unjudged.OP)  # no rule: the default guess
     assert guess.budget[0].family == "default" and "a guess: no rule knows this op" in guess.render()
 
 

@@ -13,6 +13,8 @@ torch accumulates in, float32 for the halves). Families, one module each:
   solves and factorizations; ``normalization``, ``losses``, ``attention``, ``optimizer`` (add with
   alpha, addcmul, addcdiv, lerp, foreach, the fused optimizers); ``recurrent``: the fused LSTM and GRU cells and
   oneDNN's LSTM layers;
+- ``histograms``: histc, histogram, histogramdd, bincount: the weight of the elements that may land in a bin but need not
+  (an edge flip), plus the weight sums' rounding; density through the total and the widths;
 - ``sampling``: grid_sample, bounded by how far its rounded sample coordinates move the weights or the pick;
 - ``transformer``: nn.TransformerEncoderLayer's fused kernel, composed to first order from its stages' budgets;
 - ``default``: an op no rule knows: ``DEFAULT_ULPS`` ulps of the result, ``is_default=True``.
@@ -28,8 +30,8 @@ cost: docs/budgets.md.
 ('matmul', False)
 """
 
-from . import (attention, elementwise, linalg, losses, normalization, optimizer, recurrent,  # noqa: F401 (register)
-               reductions, sampling, transformer)
+from . import (attention, elementwise, histograms, linalg, losses, normalization, optimizer,  # noqa: F401 (register)
+               recurrent, reductions, sampling, transformer)
 from .core import (BUDGETS, DEFAULT_ULPS, KAPPA, Budget, BudgetCall, InUlps, budget_for, effective_bits,
                    fixed_budget, gamma, reads_overwritten, register_budget, register_budget_predicate, unit_roundoff)
 

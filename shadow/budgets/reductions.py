@@ -513,33 +513,6 @@ def renorm_budget(c: BudgetCall) -> Budget:
     return c.budget(make)
 
 
-@register_budget(*overloads("histc"), family=Family.REDUCTION)
-def histc_budget(c: BudgetCall) -> Budget:
-    """Counts (SummaryOps/HistogramKernel.cpp: pos = (x - lo) * bins / (hi - lo) in the device dtype, lo and hi
-    the edges rounded to it): exact where a correct kernel and the float64 one pick the same bin. An element
-    whose pos lies within its rounding of an edge may be counted on either side (or out, at lo and hi), so bin
-    k's bound is the number of elements near its two edges: 0 where no element is (any error is over budget)."""
-    x, r = c.a["self"], c.out()
-    bins = int(c.a.get("bins", 100))
-
-    def make():
-        v = x.reshape(-1)
-        v = v[v.isfinite()]
-        lo, hi = float(c.a.get("min", 0)), float(c.a.get("max", 0))
-        if lo == hi and v.numel():
-            lo, hi = float(v.min()), float(v.max())
-        if lo == hi:
-            lo, hi = lo - 1, hi + 1
-        pos = (v - lo) * (bins / (hi - lo))
-        slack = 4 * c.u * (pos.abs() + 1) + 2 * c.u * bins * (abs(lo) + abs(hi)) / (hi - lo)
-        edge = pos.round()
-        near = ((pos - edge).abs() <= slack) & (edge >= 0) & (edge <= bins)
-        at = torch.bincount(edge[near].long(), minlength=bins + 1).to(torch.float64)
-        return [at[:-1] + at[1:]]
-
-    return c.budget(make)
-
-
 def _segment_length(c: BudgetCall) -> int:
     """The most elements one segment reduces (lengths, or the steps of offsets)."""
     lengths, offsets = c.a.get("lengths"), c.a.get("offsets")
