@@ -451,7 +451,7 @@ def build(name: str, *, habit: str = "train", dtype: torch.dtype = torch.float32
         return program
     program.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=True)
     if habit == "autocast_bf16":
-        if any(isinstance(m, nn.LSTM) for m in model.modules()) and (why := _no_bf16_lstm()) is not None:
+        if any(isinstance(m, nn.LSTM) for m in model.modules()) and (why := no_bf16_lstm()) is not None:
             import pytest  # the corpus is the tests' own: a model this CPU's torch cannot run is skipped
             pytest.skip(why)
         program.autocast = torch.bfloat16
@@ -464,7 +464,7 @@ def build(name: str, *, habit: str = "train", dtype: torch.dtype = torch.float32
 
 
 @functools.cache
-def _no_bf16_lstm() -> str | None:
+def no_bf16_lstm() -> str | None:
     """Why nn.LSTM cannot run under CPU bfloat16 autocast here (None: it can). Below AVX-512 oneDNN has no bfloat16
     LSTM and torch itself raises ("could not create a primitive descriptor for the LSTM forward"), shadow or not."""
     try:

@@ -63,16 +63,6 @@ if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5
         for _op in ("_softmax_backward_data", "_log_softmax_backward_data", "logsumexp", "mv", "dot"):
             EXCEPTIONS[(f"aten.{_op}.default", _dt)] = (
                 "torch < 2.5: this CPU bfloat16/float16 kernel accumulates in the device dtype")
-for _dt in ("float32", *_BF16_FP16):
-    EXCEPTIONS.update({
-        # default budgets, ops no rule bounds
-        ("aten.grid_sampler_2d_backward.default", _dt): "sample coordinates computed in the device dtype: a "
-                                                       "rounding moves a sample point by ~u * size pixels or flips a "
-                                                       "nearest pick; no ulp bound",
-        ("aten.grid_sampler_3d_backward.default", _dt): "as grid_sampler_2d_backward",
-        ("aten._pdist_backward.default", _dt): "divides by distances the device rounded; at (near-)duplicate points "
-                                               "the quotient (x_i - x_j) / d_ij is ill-conditioned",
-    })
 
 
 # --- golden values: bounds against a hand computation ---

@@ -88,6 +88,11 @@ def _grid(dtype, mode="bilinear", padding="zeros", dims=2, align=False):
     F.grid_sample(x, grid, mode=mode, padding_mode=padding, align_corners=align)
 
 
+def _affine_grid(dtype, size=(2, 3, 7, 9), align=False):
+    theta = _leaf(torch.randn(2, len(size) - 2, len(size) - 1, generator=_g(15)) * 2, dtype)
+    F.affine_grid(theta, size, align_corners=align).sum().backward()
+
+
 def _renorm(dtype):
     torch.renorm(torch.randn(6, 5, generator=_g(8)).to(dtype) * 2, p=2, dim=0, maxnorm=1.5)
 
@@ -155,6 +160,9 @@ CASES = CHUNKED_CE | {
     "grid_bicubic_border": Case("aten.grid_sampler_2d.default", lambda dt: _grid(dt, "bicubic", "border", align=True),
                                 HALVES, 1e-1, 4.0),
     "grid_3d": Case("aten.grid_sampler_3d.default", lambda dt: _grid(dt, dims=3), HALVES, 1e-1, 4.0),
+    "affine_grid": Case("aten.affine_grid_generator.default", _affine_grid, HALVES),
+    "affine_grid_3d_align": Case("aten.affine_grid_generator.default",
+                                 lambda dt: _affine_grid(dt, (2, 3, 4, 5, 6), True), HALVES),
     "renorm": Case("aten.renorm.default", _renorm, HALVES, 1e-2),
     "histc": Case("aten.histc.default", _histc, (torch.float32,), 0.5),
     "segment_sum": Case("aten.segment_reduce.default", _segment, HALVES, 1e-1),
@@ -193,20 +201,20 @@ def _used(run: Callable[[], None], op: str, *outer) -> list[float]:
     return [r.budget.used for r in recs]
 
 
-def _kernel_here(case: Case, dtype: torch.dtype) -> None:
+def kernel_here(run: Callable[[torch.dtype], None], dtype: torch.dtype, op: str) -> None:
     """Skip where this torch's CPU kernel lacks the dtype (torch 2.4's grid samplers have no bfloat16)."""
     try:
-        case.run(dtype)
+        run(dtype)
     except RuntimeError as exc:
         if "not implemented for" not in str(exc):
             raise
-        pytest.skip(f"{case.op} in {dtype} on this torch ({torch.__version__}): {exc}")
+        pytest.skip(f"{op} in {dtype} on this torch ({torch.__version__}): {exc}")
 
 
 @pytest.mark.parametrize("name,dtype", PARAMS)
 def test_correct_kernel_within_budget_and_a_fault_over_it(name, dtype):
     case = CASES[name]
-    _kernel_here(case, dtype)
+    kernel_here(case.run, dtype, case.op)
     used = _used(lambda: case.run(dtype), case.op)
     assert max(used) <= 1.0, used
     rel = case.rel if dtype == torch.float32 else case.rel_bf16
@@ -259,7 +267,7 @@ def test_bound_holds_against_float64_without_shadow(name, dtype):
     """The op on the device's inputs against itself in float64 on them upcast, no shadow involved: every element
     the op defines within ``budget_for``'s bound."""
     case = CASES[name]
-    _kernel_here(case, dtype)
+    kernel_here(case.run, dtype, case.op)
     calls = _Calls(case.op)
     with calls:
         case.run(dtype)

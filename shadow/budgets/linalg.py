@@ -392,6 +392,77 @@ def pdist_budget(c: BudgetCall) -> Budget:
     return _norm_of_differences(c, x.shape[-1] if x.dim() else 1, float(c.a.get("p", 2.0)))
 
 
+# rows of x1 per chunk of the pairwise backward's [B, rows, r2, m] differences: memory, not work, is capped
+PAIRWISE_CHUNK = 1 << 22
+
+
+def _pairwise_backward(c: BudgetCall, x1: torch.Tensor, x2: torch.Tensor, grad: torch.Tensor, dist: torch.Tensor,
+                       p: float) -> torch.Tensor:
+    """[B, r1, m] bound of DistanceOpsKernel.cpp's backward, sum_j t(x1_i - x2_j) over the r2 rows of x2 in the
+    device dtype (gamma_r2(u)), each term rounded: t = g sign(diff) exact (p = 1); g diff / d, 3 u (p = 2);
+    sign(diff) |diff|**(p-1) g / d**(p-1), (|p - 1| + 2 EXP_ULPS + 4) u (diff's rounding through the power, two
+    pows, two products, the quotient); d is the device's distance, an input. p = inf: g sign(diff) where |diff|
+    == d, exact, but the device tests its rounded diff: |g| where |diff| != d is within 2 u d of it (an exact
+    difference is the device's too)."""
+    g = gamma(x2.shape[-2], c.u)
+    rel = 0.0 if p == 1 or math.isinf(p) else 3 * c.u if p == 2 else (abs(p - 1) + 2 * EXP_ULPS + 4) * c.u
+    rows = max(1, PAIRWISE_CHUNK // max(1, x1.shape[0] * x2.shape[-2] * x1.shape[-1]))
+    parts = []
+    for i in range(0, x1.shape[-2], rows):
+        diff = (x1[:, i:i + rows, None, :] - x2[:, None, :, :]).abs_()  # [B, rows, r2, m]
+        ga, d = grad[:, i:i + rows, :, None].abs(), dist[:, i:i + rows, :, None]
+        flip = 0.0
+        if math.isinf(p):  # a term the device may select or not counts whole, and in the sum
+            off = (diff - d).abs_()
+            may = ga * ((off > 0) & (off <= 2 * c.u * d))
+            term, flip = may + ga * (off == 0), may.sum(-2)
+        else:  # the kernel's zeros: d = 0, and diff = 0 where sign or the power vanish (p < 1: set so)
+            live = (d > 0) & (diff > 0) if p <= 1 else d > 0
+            term = torch.where(live, ga * (diff / d).pow(p - 1), 0.0)
+        parts.append(term.sum(-2).mul_(g + rel * (1 + g)).add_(flip))
+    return torch.cat(parts, -2)
+
+
+@register_budget(*overloads("_pdist_backward"), family=Family.REDUCTION)
+def pdist_backward_budget(c: BudgetCall) -> Budget:
+    """Every point's gradient sums the terms of its n - 1 pairs (``_pairwise_backward``, the pairs' condensed
+    grad and distances laid out as a symmetric matrix); p = 0: zeros."""
+    x, r, p = c.a["self"], c.out(), float(c.a["p"])
+    if p == 0 or x.shape[0] < 2:
+        return c.budget(lambda: [c.final(r)])
+
+    def make():
+        n = x.shape[0]
+        i, j = torch.triu_indices(n, n, 1)
+        square = []
+        for t in (c.a["grad"], c.a["pdist"]):
+            m = torch.zeros(n, n, dtype=torch.float64)
+            m[i, j] = m[j, i] = t.reshape(-1)
+            square.append(m[None])
+        return [add_into(c.final(r), _pairwise_backward(c, x[None], x[None], *square, p)[0])]
+
+    return c.budget(make)
+
+
+@register_budget(*overloads("_cdist_backward"), family=Family.REDUCTION)
+def cdist_backward_budget(c: BudgetCall) -> Budget:
+    """grad_x1 of ``_cdist_forward``'s direct path: ``_pairwise_backward`` per batch (x2's gradient is this op with
+    x1 and x2 swapped)."""
+    a, r, p = c.a, c.out(), float(c.a["p"])
+    if p == 0 or a["grad"].numel() == 0:  # zeros
+        return c.budget(lambda: [c.final(r)])
+
+    def make():
+        grad, dist = a["grad"], a["cdist"]
+        batch = grad.shape[:-2]
+        B = math.prod(batch)
+        x1, x2 = (t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) for t in (a["x1"], a["x2"]))
+        flat = (t.reshape(B, *t.shape[-2:]) for t in (grad, dist))
+        return [add_into(c.final(r), _pairwise_backward(c, x1, x2, *flat, p).reshape(r.shape))]
+
+    return c.budget(make)
+
+
 @register_budget(*overloads("linalg_cross", "cross"), family=Family.ELEMENTWISE)
 def cross_budget(c: BudgetCall) -> Budget:
     """a_i b_j - a_j b_i: two products, one cancelling difference: 3 u (|a_i b_j| + |a_j b_i|)."""
