@@ -25,7 +25,8 @@ class FaultMode(Selecting):
     """Multiply the floating outputs of the chosen ops by ``1 + rel`` (each element rounded once to its dtype):
     the ops ``op`` names, or those run inside ``module`` (forward and backward, its submodules' too), or both
     (the op inside the module). Only ops that compute values are touched, never views, data movement or partial
-    writes; in-place and out= variants get their written argument perturbed, as the op writes it.
+    writes; in-place and out= variants get their written argument perturbed, as the op writes it (of several declared
+    written, those it changed: the fused optimizers' gradients, unscaled only with grad_scale, are left alone).
 
     It is a pure function of each call's inputs: ``random_sign=True`` draws a sign per element from a private
     generator seeded with ``seed`` at each call (the same pattern for every call of a shape), and torch's own
@@ -90,18 +91,27 @@ class FaultMode(Selecting):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.selection.claims(func):
+            return func(*args, **kwargs)
+        plan = plan_of(func)
+        with _no_dispatch():
+            written = [t for _, t in plan.tensors(args, kwargs, plan.writes) if _floating(t)]
+            if len(written) > 1:  # several written arguments: which the op really writes is known after it ran
+                before = [t.clone() for t in written]
         out = func(*args, **kwargs)
-        if self.selection.claims(func):
-            with _no_dispatch():
-                self._perturb(plan_of(func), args, kwargs, out)
+        with _no_dispatch():
+            if len(written) > 1:
+                # an argument declared written that the op left as it was is not perturbed: the fused optimizers
+                # declare their gradients written and change them only to unscale them (grad_scale)
+                written = [t for t, b in zip(written, before) if not torch.equal(t, b)]
+            self._perturb(plan, written, out)
         return out
 
-    def _perturb(self, plan: OpPlan, args: tuple, kwargs: dict, out: Any) -> None:
-        """Written arguments and fresh results times (1 + rel), in place (a result aliasing an argument is that
-        argument)."""
-        targets = [t for _, t in plan.tensors(args, kwargs, plan.writes)]
-        targets += [t for spec, t in flat_returns(plan, out) if not (spec.aliases_write or spec.aliases_read)]
-        targets = [t for t in targets if isinstance(t, torch.Tensor) and is_floating(t) and t.numel()]
+    def _perturb(self, plan: OpPlan, written: list, out: Any) -> None:
+        """The written arguments and the fresh results times (1 + rel), in place (a result aliasing an argument is
+        that argument)."""
+        targets = written + [t for spec, t in flat_returns(plan, out)
+                             if not (spec.aliases_write or spec.aliases_read) and _floating(t)]
         for t in targets:
             # the product in float64 where float64 exists (a DirectML tensor's on the CPU), rounded once to t's dtype
             home = t.device if holds_dtype(t.device, torch.float64) else torch.device("cpu")
@@ -116,3 +126,7 @@ class FaultMode(Selecting):
         self._generator.manual_seed(self.seed)
         sign = torch.randint(0, 2, t.shape, generator=self._generator, dtype=torch.float64).mul_(2).sub_(1)
         return sign.mul_(self.rel).add_(1.0).to(home)
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and is_floating(t) and t.numel() > 0
