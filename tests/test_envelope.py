@@ -191,11 +191,11 @@ def test_shadow_envelope_on_an_unmodified_script(tmp_path):
     import subprocess
     import sys
 
-    script = tmp_path / "train.py"
-    script.write_text("import torch\ntorch.manual_seed(0)\nm = torch.nn.Linear(8, 1)\nx, y = torch.randn(16, 8), "
-                      "torch.randn(16, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\nfor _ in range(9):\n"
-                      "    opt.zero_grad()\n    loss = torch.nn.functional.mse_loss(m(x), y)\n    loss.backward()\n"
-                      "    opt.step()\n    print(repr(loss.item()))\n")
+    script = tmp_path / "train.py"  # cross entropy: nll_loss_forward returns the loss and the total weight
+    script.write_text("import torch\ntorch.manual_seed(0)\nm = torch.nn.Linear(8, 3)\nx, y = torch.randn(16, 8), "
+                      "torch.randint(0, 3, (16,))\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\nfor _ in range(9):\n"
+                      "    opt.zero_grad()\n    loss = torch.nn.functional.cross_entropy(m(x), y)\n"
+                      "    loss.backward()\n    opt.step()\n    print(repr(loss.item()))\n")
     out = tmp_path / "env.json"
     done = subprocess.run([sys.executable, "-m", "shadow", "envelope", "--runs", "2", "--steps", "3", "-o", str(out),
                            str(script)], capture_output=True, text=True, timeout=120)
@@ -205,6 +205,16 @@ def test_shadow_envelope_on_an_unmodified_script(tmp_path):
     # third step's optimizer step, before its print
     plain = [float(v) for v in done.stdout.split()[:2]]
     assert env.steps == 3 and env.runs == 2 and env.contains(plain) == [True, True]
+    assert all(math.isfinite(v) for v in env.float64 + env.low + env.high)
+    # a step without a loss to read (gradients set by hand) is refused, not written as NaN
+    (tmp_path / "noloss.py").write_text("import torch\np = torch.nn.Parameter(torch.ones(3))\n"
+                                        "opt = torch.optim.SGD([p], lr=0.1)\nfor _ in range(3):\n"
+                                        "    p.grad = torch.ones(3)\n    opt.step()\n")
+    refused = subprocess.run([sys.executable, "-m", "shadow", "envelope", "--runs", "2", "--steps", "2", "-o",
+                              str(tmp_path / "none.json"), str(tmp_path / "noloss.py")], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "optimizer step 1 had no loss to read" in refused.stderr, refused.stderr
+    assert not (tmp_path / "none.json").exists()
 
 
 def test_assert_within_envelope_holds_a_test_to_the_band(tmp_path, built):

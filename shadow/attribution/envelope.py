@@ -9,13 +9,13 @@ same in each. Cost: about ``runs`` emulated runs (each op computed twice, once i
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..band import CONFIDENCE, Envelope
 from ..errors import ShadowOptionError
@@ -105,6 +105,7 @@ class StepLosses(TorchDispatchMode):
         super().__init__()
         self.steps, self.value = steps, value
         self.losses: list[float] = []
+        self.missing: int | None = None  # the first step without a loss to read (the program is stopped there)
         self.dtype = "torch.float32"
         self._last: weakref.ref | None = None
         self._loss: torch.Tensor | None = None  # frozen when the step's backward began
@@ -123,20 +124,27 @@ class StepLosses(TorchDispatchMode):
         if torch._C._current_autograd_node() is not None:
             if self._loss is None and self._last is not None:
                 self._loss = self._last()
-        elif isinstance(out, torch.Tensor) and loss_candidate(str(func), Phase.OTHER, out.numel(),
-                                                              out.is_floating_point()):
-            self._last = weakref.ref(out)
+        elif isinstance(first := _first_tensor(out), torch.Tensor) and \
+                loss_candidate(str(func), Phase.OTHER, first.numel(), first.is_floating_point()):
+            self._last = weakref.ref(first)  # the first result, as the trajectory reads it (nll_loss: its loss)
         return out
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with _no_dispatch():
             loss = self._loss
-            self.losses.append(math.nan if loss is None else self.value(loss))
-            if loss is not None:
-                self.dtype = str(loss.dtype)
+            if loss is None:  # no one-element floating result before the backward: nothing to read as the loss
+                self.missing = len(self.losses) + 1
+                raise Enough
+            self.losses.append(self.value(loss))
+            self.dtype = str(loss.dtype)
         self._last = self._loss = None
         if len(self.losses) >= self.steps:
             raise Enough
+
+
+def _first_tensor(out: Any) -> Any:
+    """The first tensor of an op's results (nll_loss_forward returns the loss and the total weight)."""
+    return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
 
 
 def program_envelope(run: Callable[[], int], restore: Callable[[], None], runs: int = 8, steps: int = 10, *,
@@ -144,7 +152,8 @@ def program_envelope(run: Callable[[], int], restore: Callable[[], None], runs: 
                      meta: dict | None = None) -> Envelope:
     """The envelope of an unmodified program: ``run`` executes it from its start (stopped by ``Enough`` after
     ``steps`` optimizer steps; it returns the program's exit status), ``restore`` puts the process state it starts
-    from back (its generators) before each run. Raises RuntimeError when a run ends before ``steps`` steps."""
+    from back (its generators) before each run. Raises RuntimeError when a run ends before ``steps`` steps or a step
+    has no loss to read."""
     check_options(runs, steps, device, confidence)
 
     def losses(value: Callable[[torch.Tensor], float], mode: Any) -> tuple[list[float], str]:
@@ -152,6 +161,10 @@ def program_envelope(run: Callable[[], int], restore: Callable[[], None], runs: 
         reader = StepLosses(steps, value)
         with mode, reader:
             status = run()
+        if reader.missing is not None:
+            raise RuntimeError(f"optimizer step {reader.missing} had no loss to read (a one-element floating result "
+                               "computed before its backward began): an envelope needs a loss per step; from Python, "
+                               "give shadow.envelope a step() that returns it")
         if len(reader.losses) < steps:
             raise RuntimeError(f"the program made {len(reader.losses)} optimizer steps (exit status {status}), not "
                                f"the {steps} asked for: give fewer --steps")
