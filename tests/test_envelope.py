@@ -267,6 +267,9 @@ def test_run_show_and_html_hold_a_report_to_an_envelope(tmp_path):
     from shadow import plots
     if plots.has_matplotlib():
         assert 'id="plot-envelope"' in html and (tmp_path / "png" / "envelope.png").stat().st_size > 1000
+    both = cli("compare", "f32.json", "bf16.json", "--envelope", "env.json")  # two devices' runs, one band
+    assert both.returncode == 1 and "A: the loss stays inside" in both.stdout and \
+        "B: the loss leaves the 99% band of correct implementations (3 stochastic_budget runs) at step 1" in both.stdout
     missing = cli("show", "f32.json", "--envelope", "nope.json")
     assert missing.returncode == 2 and "--envelope nope.json: no such file; make one with shadow envelope" in \
         missing.stderr
