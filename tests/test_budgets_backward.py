@@ -19,7 +19,7 @@ from shadow import ShadowMode
 from shadow.modes.faults import FaultMode
 
 from test_budgets import _run_opinfo
-from test_budgets_ops import kernel_here
+from test_budgets_ops import kernel_here, used_by
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,29 +131,12 @@ for _dims, _modes in ((2, ("bilinear", "nearest", "bicubic")), (3, ("bilinear", 
 PARAMS = [pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}") for name, (_, _, dts) in CASES.items() for dt in dts]
 
 
-def _used(run: Callable[[], None], op: str, *outer) -> list[float]:
-    sm = ShadowMode(spot_checks="off", drift=False)
-    for m in outer:
-        m.__enter__()
-    try:
-        with sm:
-            run()
-    finally:
-        for m in reversed(outer):
-            m.__exit__(None, None, None)
-    recs = [r for r in sm.report.records if r.op == op]
-    assert recs, f"{op} not called"
-    for r in recs:
-        assert r.budget is not None and not r.budget.is_default, (op, r.budget)
-    return [r.budget.used for r in recs]
-
-
 @pytest.mark.parametrize("name,dtype", PARAMS)
 def test_hand_made_cases_within_budget_and_a_fault_over_it(name, dtype):
     op, run, _ = CASES[name]
     kernel_here(run, dtype, op)
-    used = _used(lambda: run(dtype), op)
+    used = used_by(lambda: run(dtype), op)
     assert max(used) <= 1.0, used
     if dtype == torch.float32:  # in bfloat16 the bound holds but is loose: coordinates off by ~u * size pixels
-        faulty = _used(lambda: run(dtype), op, FaultMode(rel=1e-3, op=op))
+        faulty = used_by(lambda: run(dtype), op, FaultMode(rel=1e-3, op=op))
         assert max(faulty) > 1.0, faulty

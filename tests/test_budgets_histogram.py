@@ -13,12 +13,11 @@ from typing import Callable
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from shadow import ShadowMode
-from shadow.budgets import budget_for
 from shadow.modes.faults import FaultMode
 from test_budgets import Worst, _run_opinfo
+from test_budgets_ops import Calls, holds_against_float64, used_by
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,29 +130,10 @@ PARAMS = [pytest.param(name, torch.float32, id=f"{name}-float32") for name in CA
                   "dd_random_range_weight_density")]
 
 
-def _used(run: Callable[[], None], op: str, *outer: TorchDispatchMode) -> list[float]:
-    """The budget used by every call of ``op`` in ``run()`` under ShadowMode (``outer`` modes entered first: the
-    faulty device), each judged by a derived budget."""
-    sm = ShadowMode(spot_checks="off", drift=False)
-    for m in outer:
-        m.__enter__()
-    try:
-        with sm:
-            run()
-    finally:
-        for m in reversed(outer):
-            m.__exit__(None, None, None)
-    assert not sm.report.coverage.unsupported, sm.report.coverage.unsupported
-    recs = [r for r in sm.report.records if r.op == op]
-    assert recs, f"{op} not called"
-    assert all(r.budget is not None and not r.budget.is_default for r in recs), [r.budget for r in recs]
-    return [r.budget.used for r in recs]
-
-
 @pytest.mark.parametrize("name,dtype", PARAMS)
 def test_correct_kernel_within_budget(name, dtype):
     op, run = CASES[name]
-    assert max(_used(lambda: run(dtype), op)) <= 1.0
+    assert max(used_by(lambda: run(dtype), op)) <= 1.0
 
 
 def test_opinfo_samples_within_budget():
@@ -177,41 +157,14 @@ def test_opinfo_samples_within_budget():
     assert not worst.over(), worst.over()
 
 
-class _Calls(TorchDispatchMode):
-    """Notes the arguments of every call of the histogram ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if str(func) in HISTOGRAM_OPS:
-            self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
-
-
-def _upcast(x):
-    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_bound_holds_against_float64_without_shadow(name):
     """The op on float32 inputs against the op in float64 on them upcast, no shadow involved: every finite
     element (counts, density and bin edges) within ``budget_for``'s bound."""
-    calls = _Calls()
+    calls = Calls(*HISTOGRAM_OPS)
     with calls:
         CASES[name][1](torch.float32)
-    assert calls.calls
-    for func, args, kwargs in calls.calls:
-        outs, refs = func(*args, **kwargs), func(*tree_map(_upcast, args), **tree_map(_upcast, kwargs))
-        outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
-        bounds = budget_for(func, tree_map(_upcast, args), tree_map(_upcast, kwargs), list(refs), torch.float32).bound
-        assert len(bounds) == len(refs)
-        for y, r, b in zip(outs, refs, bounds):
-            keep = r.isfinite()
-            err = (y.double() - r).abs()[keep]
-            assert bool((err <= b.expand(r.shape)[keep]).all()), (func, float((err / b.expand(r.shape)[keep]).max()))
+    holds_against_float64(calls, torch.float32)
 
 
 class _HistogramFault(TorchDispatchMode):
@@ -249,19 +202,19 @@ FAULTED = ["random_weight", "random_weight_density", "given_edges_weight", "give
 def test_relative_fault_over_budget(name):
     """Weighted sums and densities times 1 + 1e-3 (bin_edges left as computed): over budget."""
     op, run = CASES[name]
-    assert max(_used(lambda: run(torch.float32), op, _HistogramFault(_times(1e-3)))) > 1.0
+    assert max(used_by(lambda: run(torch.float32), op, _HistogramFault(_times(1e-3)))) > 1.0
 
 
 def test_fault_mode_on_weighted_sums_over_budget():
     """FaultMode's 1e-3 on histogramdd's weighted sums (its only output)."""
     op, run = CASES["dd_edges_weight"]
-    assert max(_used(lambda: run(torch.float32), op, FaultMode(rel=1e-3, op=op))) > 1.0
+    assert max(used_by(lambda: run(torch.float32), op, FaultMode(rel=1e-3, op=op))) > 1.0
 
 
 @pytest.mark.parametrize("name", ["random", "constant", "given_edges", "dd_counts", "many_counts"])
 def test_an_element_in_the_wrong_bin_is_over_budget(name):
     op, run = CASES[name]
-    assert max(_used(lambda: run(torch.float32), op, _HistogramFault(_one_in_the_wrong_bin))) > 1.0
+    assert max(used_by(lambda: run(torch.float32), op, _HistogramFault(_one_in_the_wrong_bin))) > 1.0
 
 
 def test_bincount_of_weights_within_its_sum_bound_and_a_fault_over_it():

@@ -182,8 +182,10 @@ CASES = CHUNKED_CE | {
 PARAMS = [pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}") for name, case in CASES.items() for dt in case.dtypes]
 
 
-def _used(run: Callable[[], None], op: str, *outer) -> list[float]:
-    """The budget used by every call of ``op`` in ``run()`` under ShadowMode (``outer`` modes entered first)."""
+def used_by(run: Callable[[], None], op: str, *outer) -> list[float]:
+    """The budget used by every call of ``op`` in ``run()`` under ShadowMode (``outer`` modes entered first: the
+    faulty device), each judged by a derived budget; tests/test_budgets_histogram.py and test_budgets_backward.py
+    hold their ops so too."""
     sm = ShadowMode(spot_checks="off", drift=False)
     for m in outer:
         m.__enter__()
@@ -215,24 +217,24 @@ def kernel_here(run: Callable[[torch.dtype], None], dtype: torch.dtype, op: str)
 def test_correct_kernel_within_budget_and_a_fault_over_it(name, dtype):
     case = CASES[name]
     kernel_here(case.run, dtype, case.op)
-    used = _used(lambda: case.run(dtype), case.op)
+    used = used_by(lambda: case.run(dtype), case.op)
     assert max(used) <= 1.0, used
     rel = case.rel if dtype == torch.float32 else case.rel_bf16
     fault = FaultMode(rel=rel, op=case.op) if case.op.startswith("aten.") else _Perturbed(case.op, rel)
-    faulty = _used(lambda: case.run(dtype), case.op, fault)
+    faulty = used_by(lambda: case.run(dtype), case.op, fault)
     assert max(faulty) > 1.0, faulty
 
 
-class _Calls(TorchDispatchMode):
-    """Notes the arguments of every call of one op (detached copies)."""
+class Calls(TorchDispatchMode):
+    """Notes the arguments of every call of the ops named (detached copies)."""
 
-    def __init__(self, op: str):
+    def __init__(self, *ops: str):
         super().__init__()
-        self.op, self.calls = op, []
+        self.ops, self.calls = frozenset(ops), []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if str(func) == self.op:
+        if str(func) in self.ops:
             copy = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
             self.calls.append((func, tree_map(copy, args), tree_map(copy, kwargs)))
         return func(*args, **kwargs)
@@ -268,9 +270,15 @@ def test_bound_holds_against_float64_without_shadow(name, dtype):
     the op defines within ``budget_for``'s bound."""
     case = CASES[name]
     kernel_here(case.run, dtype, case.op)
-    calls = _Calls(case.op)
+    calls = Calls(case.op)
     with calls:
         case.run(dtype)
+    holds_against_float64(calls, dtype)
+
+
+def holds_against_float64(calls: Calls, dtype: torch.dtype) -> None:
+    """Every call ``calls`` noted, run again on its inputs and in float64 on them upcast, without shadow: every
+    finite element the op defines within ``budget_for``'s bound, one bound per output."""
     assert calls.calls
     for func, args, kwargs in calls.calls:
         outs = func(*args, **kwargs)
@@ -281,6 +289,7 @@ def test_bound_holds_against_float64_without_shadow(name, dtype):
         refs = func(*a64, **k64)
         outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
         bounds = budget_for(func, a64, k64, list(refs), dtype).bound
+        assert len(bounds) == len(refs), (func, len(bounds), len(refs))
         defined = defined_regions(plan_of(func), a64, k64, refs)
         for i, (y, r, b) in enumerate(zip(outs, refs, bounds)):
             if b is None or not y.is_floating_point():
@@ -289,7 +298,8 @@ def test_bound_holds_against_float64_without_shadow(name, dtype):
             if defined is not None and defined[i] is not None:
                 keep &= defined[i]
             err = (y.double() - r).abs()[keep]
-            assert err.numel() and bool((err <= b.expand(r.shape)[keep]).all()), (i, float((err / b.expand(r.shape)[keep]).max()))
+            assert err.numel() and bool((err <= b.expand(r.shape)[keep]).all()), \
+                (func, i, float((err / b.expand(r.shape)[keep]).max()))
 
 
 MOVEMENT = {
