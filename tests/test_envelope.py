@@ -31,38 +31,45 @@ X, Y = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)), \
     torch.randn(32, 1, generator=torch.Generator().manual_seed(2))
 
 
-def _train(model: torch.nn.Module, *, dtype=torch.float32, matmul: bool = False, steps: int = STEPS) -> list[float]:
-    """The losses of ``steps`` SGD steps of a copy of ``model``, without shadow."""
+def _train(model: torch.nn.Module, *, dtype=torch.float32, matmul: bool = False, steps: int = STEPS, x=X, y=Y,
+           lr: float = 0.1) -> list[float]:
+    """The losses of ``steps`` SGD steps of a copy of ``model`` on (x, y), without shadow; ``matmul``: each Linear
+    as x @ W.T + b."""
     m = copy.deepcopy(model).to(dtype)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
     out = []
     for _ in range(steps):
         opt.zero_grad()
-        h = X.to(dtype)
+        h = x.to(dtype)
         for layer in m:
             h = h @ layer.weight.T + layer.bias if matmul and isinstance(layer, torch.nn.Linear) else layer(h)
-        loss = F.mse_loss(h, Y.to(dtype))
+        loss = F.mse_loss(h, y.to(dtype))
         loss.backward()
         opt.step()
         out.append(loss.item())
     return out
 
 
-@pytest.fixture(scope="module")
-def built():
-    model = _model()
-    start = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def _step(model: torch.nn.Module, x=X, y=Y, lr: float = 0.1):
+    """One SGD step of ``model`` itself on (x, y), returning its loss: what ``shadow.envelope`` runs."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
 
     def step():
         opt.zero_grad()
-        loss = F.mse_loss(model(X), Y)
+        loss = F.mse_loss(model(x), y)
         loss.backward()
         opt.step()
         return loss
 
+    return step
+
+
+@pytest.fixture(scope="module")
+def built():
+    model = _model()
+    start = copy.deepcopy(model)
     rng = torch.get_rng_state()
-    env = shadow.envelope(step, runs=RUNS, steps=STEPS)
+    env = shadow.envelope(_step(model), runs=RUNS, steps=STEPS)
     return env, model, start, rng
 
 
@@ -287,39 +294,14 @@ def test_the_band_on_the_prototypes_wide_mlp_holds_real_implementations_and_wide
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(128, 256, generator=g), torch.randn(128, 1, generator=g)
     steps = 40
-
-    def train(dtype=torch.float32, matmul=False):
-        m = copy.deepcopy(start).to(dtype)
-        opt = torch.optim.SGD(m.parameters(), lr=0.2)
-        out = []
-        for _ in range(steps):
-            opt.zero_grad()
-            h = x.to(dtype)
-            for layer in m:
-                h = h @ layer.weight.T + layer.bias if matmul and isinstance(layer, torch.nn.Linear) else layer(h)
-            loss = F.mse_loss(h, y.to(dtype))
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
-
-    model = copy.deepcopy(start)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-
-    def step():
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    env = shadow.envelope(step, runs=8, steps=steps)
-    f32, mm, f64 = train(), train(matmul=True), train(torch.float64)
+    env = shadow.envelope(_step(copy.deepcopy(start), x, y, lr=0.2), runs=8, steps=steps)
+    run = dict(steps=steps, x=x, y=y, lr=0.2)
+    f32, mm, f64 = _train(start, **run), _train(start, matmul=True, **run), _train(start, dtype=torch.float64, **run)
     assert f32 != mm  # the two implementations round differently
     for losses in (f32, mm, f64):
         assert env.contains(losses) == [True] * steps, env.table(losses)
     with FaultMode(rel=1e-3, op="mm"):
-        bad = train()
+        bad = _train(start, **run)
     left = env.leaves(bad)
     assert left is not None and left <= 2, env.table(bad)
     width = [hi - lo for lo, hi in zip(env.low, env.high)]
