@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..band import CONFIDENCE, Envelope
 from ..errors import ShadowOptionError
@@ -143,8 +142,9 @@ class StepLosses(TorchDispatchMode):
 
 
 def _first_tensor(out: Any) -> Any:
-    """The first tensor of an op's results (nll_loss_forward returns the loss and the total weight)."""
-    return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    """An op's first result (nll_loss_forward returns the loss and the total weight): no tree walk, every op of the
+    run passes here."""
+    return out[0] if type(out) in (tuple, list) and out else out
 
 
 def program_envelope(run: Callable[[], int], restore: Callable[[], None], runs: int = 8, steps: int = 10, *,
