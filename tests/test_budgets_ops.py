@@ -135,6 +135,19 @@ def _linear_ce(dtype, reduction="mean", weighted=False):
     loss.sum().backward()
 
 
+def test_linear_ce_of_ignored_rows_only_is_judged_without_an_error():
+    """The mean over no counted row is 0/0 on the device and in float64: the budget gives no figure an internal error
+    (it divided by the total weight before)."""
+    if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        pytest.skip(f"torch {torch.__version__} has no chunked linear_cross_entropy")
+    x, w = _leaf(torch.randn(4, 8, generator=_g(16)), torch.float32), _leaf(torch.randn(10, 8), torch.float32)
+    with ShadowMode(spot_checks="off") as sm:
+        F.linear_cross_entropy(x, w, torch.full((4,), -100), options=torch.nn.LinearCrossEntropyOptions(
+            batch_chunk_size=2)).backward()
+    (rec,) = [r for r in sm.report.records if r.op == "torch_nn._linear_cross_entropy_batch_chunked.default"]
+    assert sm.report.coverage.internal_errors == 0 and not rec.budget.is_default and rec.budget.used == 0
+
+
 HALVES = (torch.float32, torch.bfloat16)
 CHUNKED_CE = {  # torch >= 2.13
     "linear_ce_mean": Case("torch_nn._linear_cross_entropy_batch_chunked.default", _linear_ce, HALVES),

@@ -349,6 +349,8 @@ def linear_cross_entropy_budget(c: BudgetCall) -> Budget:
         if red == "none":
             return [e_li + c.final(out[0])]
         total = wt.sum()
+        if red == "mean" and float(total) == 0:  # every row ignored: the loss and gradients are 0/0, NaN both ways
+            return [c.final(r) if r.numel() else None for r in out]
         wabs = float(wt.abs().sum())
         # the mean's divisor: the total weight, a sum of N terms (its relative error gamma_N(ua) sum|w| / |W|)
         s, s_rel = (1.0, 0.0) if red == "sum" else (1.0 / float(total), gamma(n, ua) * wabs / abs(float(total)) + ua)
