@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import copy
 import math
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from shadow import ShadowMode
+from shadow.budgets import budget_for, optimizer
 from shadow.budgets.optimizer import adagrad_step, adam_step, sgd_step
 from shadow.modes.faults import FaultMode
 
@@ -63,6 +66,48 @@ def test_sgd_and_adagrad_steps_are_the_kernels(nesterov):
     aten._fused_adagrad_(*([t] for t in state), [torch.tensor(4.0)], **kw)
     torch.testing.assert_close(state[0], want[0], rtol=1e-14, atol=1e-15)
     torch.testing.assert_close(state[2], want[2], rtol=1e-14, atol=1e-15)
+
+
+def _adam_budgets(n, dtype, *, adamw, amsgrad, maximize, weight_decay, beta1, grad_scale, seed=0):
+    """The bounds of one fused Adam(W) call by ``budget_for``: (the one-pass kernel's, the ``Rounded`` chain's)."""
+    g = torch.Generator().manual_seed(seed)
+    p, grad, m, v, vmax = (torch.randn(n, generator=g, dtype=torch.float64) for _ in range(5))
+    v, vmax = v.abs(), vmax.abs()
+    # values the chain must carry as torch does: zeros (sqrt(0), 0/0 in its bound), a subnormal, an infinity, a NaN
+    for t in (p, grad, m):
+        t[:5] = torch.tensor([0.0, -0.0, 5e-324, math.inf, math.nan], dtype=torch.float64)
+    v[:3] = 0.0
+    args = ([p], [grad], [m], [v], [vmax] if amsgrad else [], [torch.tensor(3.0)])
+    kwargs = dict(lr=1e-2, beta1=beta1, beta2=0.999, weight_decay=weight_decay, eps=1e-8, amsgrad=amsgrad,
+                  maximize=maximize, grad_scale=None if grad_scale is None else torch.tensor(grad_scale))
+    op = aten._fused_adamw_.default if adamw else aten._fused_adam_.default
+    outputs = [p, grad, m, v] + ([vmax] if amsgrad else [])
+
+    def bounds():
+        return budget_for(op, args, kwargs, outputs, dtype).bound
+
+    fast = bounds()
+    with unittest.mock.patch.object(optimizer, "fused_bounds", None):
+        slow = bounds()
+    return fast, slow
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("adamw, amsgrad, maximize, weight_decay, beta1, grad_scale", [
+    (False, False, False, 0.0, 0.9, None), (True, False, False, 0.01, 0.9, None),
+    (False, True, True, 0.1, 0.9, 2.0), (True, True, False, 0.1, 0.3, None), (False, False, True, 0.0, 0.3, 0.5)])
+def test_adam_pass_is_the_rounded_chain(dtype, adamw, amsgrad, maximize, weight_decay, beta1, grad_scale):
+    """The fused Adam(W) bounds from one pass equal the ``Rounded`` chain's (NaN where it is NaN), on every branch of
+    the step (beta1 = 0.3: the lerp from its far end) and in both the serial and parallel loops: to the bit but for
+    the square root, which the pass rounds correctly and torch's float64 CPU kernel (vectorized) to within an ulp
+    (1.4 % of random inputs an ulp off, measured on torch 2.13 AVX-512): within a few float64 roundings."""
+    for n in (1000, 3 * 2 ** 16 + 7):
+        fast, slow = _adam_budgets(n, dtype, adamw=adamw, amsgrad=amsgrad, maximize=maximize,
+                                   weight_decay=weight_decay, beta1=beta1, grad_scale=grad_scale)
+        assert len(fast) == len(slow) == 4 + amsgrad
+        for a, b in zip(fast, slow):
+            torch.testing.assert_close(a, b, rtol=2.0 ** -50, atol=0, equal_nan=True)
+        assert slow[0][5:].gt(0).all() and slow[0][3].isnan()  # real bounds, and the infinity's NaN kept
 
 
 # --- the optimizers under ShadowMode ---

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..metrics import fused_bounds
 from ..opsets import Family
 from ..plan import OpPlan
 from .core import (Budget, BudgetCall, budget_for, coefficient, foreach_base, magnitude, overloads,
@@ -118,9 +119,19 @@ def foreach_budget(c: BudgetCall) -> Budget:
 # Kernel.cpp, the vectorized loop), written once on numbers: ``k(x)`` is a constant x as the kernel holds it in the
 # compute type, ``ks(x)`` one it rounds to the parameter's dtype first (``fVec(scalar_t(momentum))``). The budget
 # runs the steps on ``Rounded`` values; on float64 tensors they are the float64 kernel (tests check it).
+def adam_constants(*, lr, beta1, beta2, weight_decay, eps, step) -> dict[str, float]:
+    """The numbers of an Adam(W) step as its kernel computes them before the loop, in double, by the names of
+    ``shadow._fused_bounds.ADAM_CONSTANTS``."""
+    return {"decay": 1 - lr * weight_decay, "weight_decay": weight_decay, "w": 1 - beta1, "beta2": beta2,
+            "one_minus_beta2": 1 - beta2, "correction2": math.sqrt(1 - beta2 ** step), "eps": eps,
+            "step": -lr / (1 - beta1 ** step)}
+
+
 def adam_step(p, g, m, v, vmax, k, *, lr, beta1, beta2, weight_decay, eps, step, amsgrad, maximize, adamw,
               grad_scale=None):
-    """(param, grad or None where unscaled, exp_avg, exp_avg_sq, max_exp_avg_sq) after one Adam(W) step."""
+    """(param, grad or None where unscaled, exp_avg, exp_avg_sq, max_exp_avg_sq) after one Adam(W) step.
+    ``shadow._fused_bounds.adam`` is this chain on ``Rounded`` values, one element at a time."""
+    q = adam_constants(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, step=step)
     if grad_scale is not None:
         g = g / grad_scale
     g_out = None if grad_scale is None else g
@@ -128,16 +139,16 @@ def adam_step(p, g, m, v, vmax, k, *, lr, beta1, beta2, weight_decay, eps, step,
         g = -g
     if weight_decay != 0:
         if adamw:
-            p = p * k(1 - lr * weight_decay)
+            p = p * k(q["decay"])
         else:
-            g = g + p * k(weight_decay)
-    w = 1 - beta1  # exp_avg.lerp_(grad, w), from the nearer end
+            g = g + p * k(q["weight_decay"])
+    w = q["w"]  # exp_avg.lerp_(grad, w), from the nearer end
     m = m + k(w) * (g - m) if abs(w) < 0.5 else g - (g - m) * (1 - k(w))
-    v = v * k(beta2) + k(1 - beta2) * g * g
+    v = v * k(q["beta2"]) + k(q["one_minus_beta2"]) * g * g
     if amsgrad:
         vmax = vmax.maximum(v)
-    denom = (vmax if amsgrad else v).sqrt() / k(math.sqrt(1 - beta2 ** step)) + k(eps)
-    return p + k(-lr / (1 - beta1 ** step)) * m / denom, g_out, m, v, vmax
+    denom = (vmax if amsgrad else v).sqrt() / k(q["correction2"]) + k(q["eps"])
+    return p + k(q["step"]) * m / denom, g_out, m, v, vmax
 
 
 def sgd_step(p, g, buf, k, ks, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step,
@@ -172,13 +183,42 @@ def adagrad_step(p, g, state_sum, k, ks, *, lr, lr_decay, weight_decay, eps, ste
     return p - ks(clr) * g / (state_sum.sqrt() + ks(eps)), g_out, state_sum
 
 
+def _adam_arguments(c: BudgetCall, i: int) -> dict[str, Any]:
+    """The hyper-parameters of ``adam_step`` on parameter i."""
+    a = c.a
+    return {"lr": float(a["lr"]), "beta1": a["beta1"], "beta2": a["beta2"], "weight_decay": a["weight_decay"],
+            "eps": a["eps"], "step": float(a["state_steps"][i])}
+
+
 def _adam(c: BudgetCall, i: int, k: Callable, ks: Callable, grad_scale: float | None, adamw: bool) -> tuple:
     a = c.a
     vmax = exact(a["max_exp_avg_sqs"][i], c.ua) if a["amsgrad"] else None
     return adam_step(*(exact(a[n][i], c.ua) for n in ("self", "grads", "exp_avgs", "exp_avg_sqs")), vmax, k,
-                     lr=float(a["lr"]), beta1=a["beta1"], beta2=a["beta2"], weight_decay=a["weight_decay"],
-                     eps=a["eps"], step=float(a["state_steps"][i]), amsgrad=a["amsgrad"], maximize=a["maximize"],
-                     adamw=adamw, grad_scale=grad_scale)
+                     amsgrad=a["amsgrad"], maximize=a["maximize"], adamw=adamw, grad_scale=grad_scale,
+                     **_adam_arguments(c, i))
+
+
+def _adam_pass(c: BudgetCall, i: int, grad_scale: float | None, adamw: bool, take: Callable) -> list | None:
+    """The bounds ``_adam``'s chain gives on parameter i, in the order it returns them (None for what it leaves
+    out), from ``shadow._fused_bounds.adam``'s one pass, into memory from ``take(like)``; None where the pass
+    cannot read the tensors."""
+    a = c.a
+    amsgrad = a["amsgrad"]
+    ins = [a[n][i] for n in ("self", "grads", "exp_avgs", "exp_avg_sqs")] + \
+        [a["max_exp_avg_sqs"][i] if amsgrad else None]
+    q = adam_constants(**_adam_arguments(c, i))
+    constants = {name: (float(x), c.ua * abs(float(x))) for name, x in q.items()}  # k(x): constant(x, ua, ua)
+    if grad_scale is not None:
+        constants["scale"] = (grad_scale, 0.0)  # a Python number: exact
+    decays = a["weight_decay"] != 0
+    flags = {name for name, on in (("scaled", grad_scale is not None), ("maximize", a["maximize"]),
+                                   ("decoupled", decays and adamw), ("coupled", decays and not adamw),
+                                   ("near", abs(q["w"]) < 0.5), ("amsgrad", amsgrad)) if on}
+    writes = (True, grad_scale is not None, True, True, amsgrad)
+    outs = [take(ins[0]) if w else None for w in writes]
+    if not fused_bounds.adam(ins, outs, constants, flags, c.ua, c.u if c.u > c.ua else 0.0):
+        return None
+    return outs
 
 
 def _sgd(c: BudgetCall, i: int, k: Callable, ks: Callable, grad_scale: float | None) -> tuple:
@@ -215,6 +255,25 @@ def _written_lists(c: BudgetCall) -> list[str]:
     return ["self" if spec.name == "out" else spec.name for spec in c.plan.writes]
 
 
+def _pooled(c: BudgetCall, params: list, per_param: int) -> Callable:
+    """``take(like)``: memory for one bound of ``like``'s shape, cut in turn from one buffer of ``per_param`` bounds
+    per parameter, in the call's reused memory (``BudgetCall.scratch``): the optimizer's bounds, every parameter
+    every step, are written into pages written before, where fresh tensors fault their pages in (twice the pass's
+    time on a 1M-element parameter)."""
+    total = per_param * sum(p.numel() for p in params)
+    flat = torch.empty(total, dtype=torch.float64) if c.scratch is None else \
+        c.scratch.empty_strided((total,), (1,), torch.float64)
+    used = 0
+
+    def take(like: torch.Tensor) -> torch.Tensor:
+        nonlocal used
+        n = like.numel()
+        used += n
+        return flat[used - n:used].view(like.shape)
+
+    return take
+
+
 @register_budget(*overloads(*_FUSED_STEPS), family=Family.ELEMENTWISE)
 def fused_optimizer_budget(c: BudgetCall) -> Budget:
     """Each written tensor's bound carried element by element through the step's roundings, each at ``ua`` (the
@@ -231,12 +290,19 @@ def fused_optimizer_budget(c: BudgetCall) -> Budget:
         k = functools.partial(constant, u=c.ua, ua=c.ua)
         ks = functools.partial(constant, u=c.u, ua=c.ua)
         chains: dict[str, list] = {n: [] for n in names}
+        grad_scale = None if scale is None else float(scale)
+        adamw = {"_fused_adam": False, "_fused_adamw": True}.get(c.plan.base.removesuffix("_"))
+        one_pass = adamw is not None and not skipped and fused_bounds is not None and \
+            all(t.device.type == "cpu" for t in a["self"])
+        take = _pooled(c, a["self"], 3 + (grad_scale is not None) + bool(a.get("amsgrad"))) if one_pass else None
         for i, param in enumerate(a["self"]):
-            results = (None,) * len(returned) if skipped else \
-                step(c, i, k, ks, None if scale is None else float(scale))
-            for name, r in zip(returned, results):
+            fast = _adam_pass(c, i, grad_scale, adamw, take) if one_pass else None
+            if fast is None:
+                results = (None,) * len(returned) if skipped else step(c, i, k, ks, grad_scale)
+                fast = [None if r is None else r.bound(c.u, c.ua) for r in results]
+            for name, b in zip(returned, fast):
                 if name in chains and i < len(a[name]):
-                    chains[name].append(torch.zeros_like(a[name][i]) if r is None else r.bound(c.u, c.ua))
+                    chains[name].append(torch.zeros_like(a[name][i]) if b is None else b)
         for name in names:  # lists the step never writes (Adagrad's state_steps): as read
             if name not in returned:
                 chains[name] = [torch.zeros_like(t) for t in a[name]]
