@@ -12,7 +12,8 @@ targets compare the shadowed step with what it must at least do: ``drift / (nati
 ``default / (native + 2 f64)`` (issue 11: 1.3x and 1.6x). Every configuration's third step is timed; the
 default one's is timed again after 16 steps, when even an op called once per step is past the calls whose spot
 checks it all samples (``shadow.spot``): what a long run pays per step. The optimizer phase (``opt.step()``) is
-timed inside the same steps and held to the same floors on its own.
+timed inside the same steps and held to the same floors on its own. ``--optimizer`` picks the step's optimizer
+(``OPTIMIZERS``), ``--peaks`` adds each configuration's peak resident memory, each run in a process of its own.
 Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops, beside a pass-through dispatch mode,
 a bare float64 replay and the drift path's features written for that one op, timed in the same run (the floor
 under shadow's own bookkeeping, and what its engine's generality adds). The chain multiplies, and mul rounds once
@@ -83,11 +84,32 @@ def lm() -> tuple[nn.Module, torch.Tensor]:
     return _LM(GPT2LMHeadModel(config)), torch.randint(0, config.vocab_size, (1, 128))
 
 
+def gpt2_small() -> tuple[nn.Module, torch.Tensor]:
+    """GPT-2 small's shape (124M parameters: 12 blocks of width 768, the 50257-token embedding and tied LM head),
+    a random config, batch 2 x 256, dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=256, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return _LM(GPT2LMHeadModel(config)), torch.randint(0, config.vocab_size, (2, 256))
+
+
+# the training step's optimizer: Adam as the CPU runs it by default (a loop over the parameters), its foreach and
+# fused forms (AdamW fused: the HF Trainer's default), SGD with momentum
+OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4, foreach=False),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-4, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9),
+}
+
 # drift only; drift + local error; each without budgets and spot checks (measured apart, below)
 DRIFT = dict(local=False, budgets=False, spot_checks="off")
 BOTH = dict(budgets=False, spot_checks="off")
 
-MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer, "lm gpt2 4x768 v50k b1 s128": lm}
+MODELS = {"mlp 4x1024 b256": mlp, "transformer d256 h4 b16 s128": transformer, "lm gpt2 4x768 v50k b1 s128": lm,
+          "gpt2 small 12x768 v50k b2 s256": gpt2_small}
+DEFAULT_MODELS = list(MODELS)[:3]  # GPT-2 small on request: about 10 minutes a round
 
 
 def _sync(device: str) -> None:
@@ -103,10 +125,10 @@ def replay_device(device: str, shadow_device: str) -> str:
     return str(Placement(Options(shadow_device=shadow_device).shadow_device)(d))
 
 
-def _step_fn(model: nn.Module, x: torch.Tensor):
-    """A training step (Adam); its ``optimizer_s`` holds the seconds of its last call's ``opt.step()``: the phase
-    split (forward + backward, optimizer)."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+def _step_fn(model: nn.Module, x: torch.Tensor, optimizer: str = "adam"):
+    """A training step (``OPTIMIZERS[optimizer]``); its ``optimizer_s`` holds the seconds of its last call's
+    ``opt.step()``: the phase split (forward + backward, optimizer)."""
+    opt = OPTIMIZERS[optimizer](list(model.parameters()))
     device = str(x.device)
 
     def step() -> None:
@@ -152,7 +174,8 @@ class _nullctx:
 _UNTIMED = 2  # steps of a fresh ShadowMode before the timed one
 
 
-def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") -> dict:
+def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto", optimizer: str = "adam",
+                steady: bool = True) -> dict:
     """Every configuration steps in turn, its last step timed, for ``reps`` rounds (after a warm-up round): a slow
     spell of the machine then slows every configuration alike, and the medians keep the ratios. A shadowed
     configuration's steps run in a fresh ``ShadowMode`` (its first step adopts every tensor, the third is timed),
@@ -167,8 +190,9 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
     f64_x = x.to(f64_device, torch.float64 if x.is_floating_point() else x.dtype)  # token ids stay integers
     at = dict(shadow_device=shadow_device)
     options = {"drift": DRIFT, "both": BOTH, "budgets": {**BOTH, "budgets": True}, "full": {}}
-    configs = {"native": (_step_fn(model, x), device, None), "f64": (_step_fn(f64_model, f64_x), f64_device, None)}
-    configs.update({k: (_step_fn(copy.deepcopy(model), x), device, o) for k, o in options.items()})
+    configs = {"native": (_step_fn(model, x, optimizer), device, None),
+               "f64": (_step_fn(f64_model, f64_x, optimizer), f64_device, None)}
+    configs.update({k: (_step_fn(copy.deepcopy(model), x, optimizer), device, o) for k, o in options.items()})
     times: dict[str, list[float]] = {k: [] for k in configs}
     opt_times: dict[str, list[float]] = {k: [] for k in configs}  # the timed steps' optimizer phase
     spot_s: list[float] = []  # the default mode's spot checks, in its timed steps
@@ -199,10 +223,11 @@ def bench_model(name: str, device: str, reps: int, shadow_device: str = "auto") 
     t = {k: statistics.median(v) for k, v in times.items()}
     native, f64, drift, both, budgets, full = (t[k] for k in ("native", "f64", "drift", "both", "budgets", "full"))
     o = {k: statistics.median(v) for k, v in opt_times.items()}
-    steady, steady_spot = _steady(configs["full"][0], device, reps, at)
+    steady, steady_spot = _steady(configs["full"][0], device, reps, at) if steady else (math.nan, math.nan)
     mem = memory["full"]
     return {
         "model": name,
+        "optimizer": optimizer,
         "native_ms": native * 1e3,
         "f64_ms": f64 * 1e3,
         "drift_ms": drift * 1e3,
@@ -246,6 +271,38 @@ def _steady(step, device: str, reps: int, at: dict) -> tuple[float, float]:
             times.append(_once(step, device))
             shares.append(sum(spent) / times[-1])
     return statistics.median(times), statistics.median(shares)
+
+
+PEAK_CONFIGS = {"native": None, "f64": None, "drift": DRIFT, "full": {}}
+
+
+def peak_of(name: str, config: str, optimizer: str, steps: int = 3) -> int:
+    """The peak resident bytes of this process (``VmHWM``: ``ru_maxrss`` keeps the parent's peak across the
+    fork) once it has built the model and run ``steps`` training steps in ``config`` (a key of PEAK_CONFIGS;
+    "f64": the model converted in place): one configuration per process, so that each peak is its own."""
+    torch.manual_seed(0)
+    model, x = MODELS[name]()
+    if config == "f64":
+        model, x = model.double(), x.double() if x.is_floating_point() else x
+    step = _step_fn(model, x, optimizer)
+    opts = PEAK_CONFIGS[config]
+    with ShadowMode(**opts) if opts is not None else _nullctx():
+        for _ in range(steps):
+            step()
+    with open("/proc/self/status") as f:  # Linux
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))  # kB
+
+
+def bench_peaks(name: str, optimizer: str) -> dict[str, int]:
+    """Every configuration's peak resident bytes, each measured in a process of its own (``peak_of``)."""
+    import subprocess
+
+    peaks = {}
+    for config in PEAK_CONFIGS:
+        out = subprocess.run([sys.executable, __file__, "--peak-of", name, config, "--optimizer", optimizer],
+                             check=True, capture_output=True, text=True).stdout
+        peaks[config] = int(out.split()[-1])
+    return peaks
 
 
 def _release_memory() -> None:
@@ -559,8 +616,19 @@ def main() -> None:
     ap.add_argument("--shadow-device", default="auto",
                     help="where shadows live: auto (default: a GPU with room, else the CPU), cpu, cuda, cuda:1")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (median kept)")
-    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS, key=list(MODELS).index),
-                    metavar="MODEL", help=f"which models (default: all): {', '.join(repr(m) for m in MODELS)}")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=DEFAULT_MODELS, metavar="MODEL",
+                    help=f"which models (default: the first three): {', '.join(repr(m) for m in MODELS)}")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
+                    help="the training step's optimizer (default adam: the CPU's for-loop Adam)")
+    ap.add_argument("--no-steady", action="store_true",
+                    help=f"leave out the default mode's step after {EVERY_CALL_FIRST} steps (a large model's "
+                         "16 shadowed steps)")
+    ap.add_argument("--peaks", action="store_true",
+                    help="also each configuration's peak resident memory, each in a process of its own (CPU, "
+                         "Linux)")
+    ap.add_argument("--peak-of", nargs=2, metavar=("MODEL", "CONFIG"),
+                    help=f"print this process's peak resident bytes after 3 steps of MODEL in CONFIG "
+                         f"({', '.join(PEAK_CONFIGS)}): what --peaks runs")
     ap.add_argument("--loaded", action="store_true",
                     help="also time each model's native and default shadowed step while other processes load "
                          "every core (thread oversubscription)")
@@ -576,6 +644,9 @@ def main() -> None:
         raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
     if args.clock == "thread" and args.device != "cpu":
         raise SystemExit("--clock thread: CPU only (a GPU's work is not this thread's CPU time)")
+    if args.peak_of:
+        print(peak_of(*args.peak_of, args.optimizer))
+        return
     if args.per_op:
         print(json.dumps(bench_per_op(args.device, reps=args.reps, shadow_device=args.shadow_device,
                                       clock=args.clock)))
@@ -584,7 +655,10 @@ def main() -> None:
     replay = replay_device(args.device, args.shadow_device)
     print(f"torch {torch.__version__}, device {args.device} ({dev_name}), {torch.get_num_threads()} threads, "
           f"shadow_device={args.shadow_device!r}: shadows and replays on {replay}")
-    rows = [bench_model(name, args.device, args.reps, args.shadow_device) for name in args.models]
+    rows = [bench_model(name, args.device, args.reps, args.shadow_device, args.optimizer, not args.no_steady)
+            for name in args.models]
+    for r in rows if args.peaks else ():
+        r["peak_bytes"] = bench_peaks(r["model"], args.optimizer)
     if args.models_only:
         print(json.dumps({r["model"]: r for r in rows}))
         return
@@ -611,6 +685,9 @@ def main() -> None:
             f"(spot checks timed inside it: {r['steady_spot_in_step']:.0%}): {r['steady_full_ratio']:.2f}x of "
             "native+2 f64"
         )
+        if "peak_bytes" in r:
+            print(f"{'':<30} peak resident memory, each in a process of its own: " + ", ".join(
+                f"{k} {v / 2**30:.2f} GiB" for k, v in r["peak_bytes"].items()))
     per_op = bench_per_op(args.device, shadow_device=args.shadow_device, clock=args.clock)
     print(
         f"per-op overhead (4-element tensors): native {per_op['native_us']:.1f} us/op, "

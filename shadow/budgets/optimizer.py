@@ -255,6 +255,13 @@ def _written_lists(c: BudgetCall) -> list[str]:
     return ["self" if spec.name == "out" else spec.name for spec in c.plan.writes]
 
 
+def _exact() -> torch.Tensor:
+    """The bound of a tensor the step leaves as it read it (grads it does not unscale, Adagrad's state_steps, a
+    skipped call's): 0, one element broadcast over it (a bound is broadcastable to its result), not a tensor of zeros
+    as large as a parameter."""
+    return torch.zeros((), dtype=torch.float64)
+
+
 def _pooled(c: BudgetCall, params: list, per_param: int) -> Callable:
     """``take(like)``: memory for one bound of ``like``'s shape, cut in turn from one buffer of ``per_param`` bounds
     per parameter, in the call's reused memory (``BudgetCall.scratch``): the optimizer's bounds, every parameter
@@ -302,10 +309,10 @@ def fused_optimizer_budget(c: BudgetCall) -> Budget:
                 fast = [None if r is None else r.bound(c.u, c.ua) for r in results]
             for name, b in zip(returned, fast):
                 if name in chains and i < len(a[name]):
-                    chains[name].append(torch.zeros_like(a[name][i]) if b is None else b)
+                    chains[name].append(_exact() if b is None else b)
         for name in names:  # lists the step never writes (Adagrad's state_steps): as read
             if name not in returned:
-                chains[name] = [torch.zeros_like(t) for t in a[name]]
+                chains[name] = [_exact() for _ in a[name]]
         return [b for n in names for b in chains[n]]
 
     return c.budget(bounds)
