@@ -1,5 +1,6 @@
 """One fused pass over a device result and its float64 reference: every figure ``shadow.metrics.compare``
-needs, from a single read of both, where the torch passes it replaces read each output nine times (issue 11).
+needs, from a single read of both (torch's passes, ``compare``'s path for what this one does not read, read each
+output nine times); ``pair`` reads a result once for its drift and its local error together.
 
 The figures follow ``shadow.metrics``'s definitions (docs/error-units.md) operation for operation, so that
 maxima and counts equal the other paths' to the last bit: |y - r| is one rounding in either, and the ulp is

@@ -23,7 +23,8 @@ import torch
 
 from . import reproscript
 from .budgets import budget_for
-from .budgets.core import BUDGETS, KAPPA, accumulation_dtype, unit_roundoff
+from .budgets.core import BUDGETS
+from .budgets.units import KAPPA, accumulation_dtype, unit_roundoff
 from .engine.prepare import remap_args
 from .engine.values import Args
 from .errors import CallNotKeptError, ReproError

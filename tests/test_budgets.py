@@ -34,7 +34,7 @@ from shadow.budgets import (
     register_budget_predicate,
     unit_roundoff,
 )
-from shadow.budgets.core import effective_bits_rel
+from shadow.budgets.units import effective_bits_rel
 from shadow.errors import DuplicateRuleError
 from shadow.metrics import ErrorStats, compare
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from shadow import ShadowMode
 from shadow.budgets import budget_for, optimizer
 from shadow.budgets.optimizer import adagrad_step, adam_step, sgd_step
+from shadow.engine import prepare
 from shadow.modes.faults import FaultMode
 
 aten = torch.ops.aten
@@ -169,6 +170,36 @@ def test_fused_optimizer_float32_within_budget_and_fault_over(name):
     if op != "_fused_sgd_":
         assert all(math.isfinite(r.budget.used) for r in faulted), [r.budget.used for r in faulted]
     assert all(r.local.effective_bits < 16 for r in faulted)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw-amsgrad", "sgd-momentum", "adagrad"])
+def test_fused_budget_built_before_the_replays_as_from_copies(name):
+    """A fused optimizer's budget reads only the step's inputs (``builds_early``): where the keeper could not keep
+    the call (``max_repro_bytes=0``) it is built before the replays overwrite them, with no copy of the inputs; the
+    records equal those of the path that copies them first (every figure, the budget's use to the bit)."""
+    make, op = OPTIMIZERS[name]
+
+    def records(cap):
+        model = _mlp(torch.float32)
+        opt = make(list(model.parameters()))
+        torch.manual_seed(1)
+        x, y = torch.randn(32, 16), torch.randn(32, 8)
+        with ShadowMode(spot_checks="off", max_repro_bytes=cap) as sm, \
+                unittest.mock.patch.object(prepare, "built_early", wraps=prepare.built_early) as built:
+            for _ in range(3):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+        return [r.to_dict() for r in _calls(sm.report, op)], built.call_count
+
+    early, built_early = records(0)
+    copied, built_copied = records(1 << 30)
+    assert (built_early, built_copied) == (3, 0)
+    if op == "_fused_sgd_":  # its first step reads momentum buffers torch makes with empty_like: whatever bits
+        for first in (early[0], copied[0]):  # the memory held, NaN or not
+            first.pop("inputs_nonfinite")
+    assert len(early) == 3 and early == copied
+    assert all(0 < r["budget"]["used"] <= 1 for r in early), [r["budget"]["used"] for r in early]
 
 
 def _drops_bf16_update(make):

@@ -32,8 +32,9 @@ cost: docs/budgets.md.
 
 from . import (attention, elementwise, histograms, linalg, losses, normalization, optimizer,  # noqa: F401 (register)
                recurrent, reductions, sampling, transformer)
-from .core import (BUDGETS, DEFAULT_ULPS, KAPPA, Budget, BudgetCall, InUlps, budget_for, effective_bits,
-                   fixed_budget, gamma, reads_overwritten, register_budget, register_budget_predicate, unit_roundoff)
+from .core import (BUDGETS, DEFAULT_ULPS, Budget, BudgetCall, InUlps, budget_for, builds_early, fixed_budget,
+                   reads_overwritten, register_budget, register_budget_predicate)
+from .units import KAPPA, effective_bits, gamma, unit_roundoff
 
 __all__ = [
     "BUDGETS",
@@ -43,6 +44,7 @@ __all__ = [
     "BudgetCall",
     "InUlps",
     "budget_for",
+    "builds_early",
     "effective_bits",
     "fixed_budget",
     "gamma",

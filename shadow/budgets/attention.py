@@ -14,7 +14,8 @@ import torch
 
 from ..opsets import Family
 from ..replay.attention import attention_scale, expand_kv, sum_groups
-from .core import EXP_ULPS, Budget, BudgetCall, gamma, is_float, overloads, register_budget
+from .core import Budget, BudgetCall, is_float, overloads, register_budget
+from .units import EXP_ULPS, gamma
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""The budgets' core: units, the :class:`Budget` a rule returns, the :class:`BudgetCall` it is given, and
-the one rule table ``BUDGETS`` that the family modules fill.
+"""The budgets' core: the :class:`Budget` a rule returns, the :class:`BudgetCall` it is given, and the one rule
+table ``BUDGETS`` that the family modules fill (the units they count in: ``shadow.budgets.units``).
 
 A rule is a pure function of a :class:`BudgetCall` (the op's arguments by schema name, the device's
 inputs upcast exactly to float64, the float64 reference outputs, the device dtype and its unit
@@ -28,123 +28,10 @@ from ..opsets import Family
 from ..plan import OpPlan, plan_of
 from ..replay.table import pooled_call
 from ..rules import RuleTable, rule_name
+from .units import SUM_FAMILIES, accumulation_dtype, effective_bits, effective_bits_rel, subnormal_min, unit_roundoff
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
-
-
-# --- units ---
-@functools.cache
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """u = 2**-(p+1) for a dtype with p stored mantissa bits (the real part's, for complex dtypes).
-
-    >>> unit_roundoff(torch.float32) == 2.0**-24, unit_roundoff(torch.bfloat16) == 2.0**-8
-    (True, True)
-    """
-    if dtype.is_complex:
-        dtype = dtype.to_real()
-    return 2.0 ** -(precision_bits(dtype) + 1)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The precision PyTorch kernels accumulate in for ``dtype`` (at::opmath_type): float32 for the halves."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def gamma(n: float, u: float) -> float:
-    """Higham's gamma_n = n u / (1 - n u): the worst-case relative error of n chained roundings
-    (any summation order; inf once n u >= 1, where the worst case says nothing).
-
-    >>> gamma(3, 2.0**-24) == 3 * 2.0**-24 / (1 - 3 * 2.0**-24)
-    True
-    """
-    nu = n * u
-    return math.inf if nu >= 1.0 else nu / (1.0 - nu)
-
-
-def _subnormal_min(dtype: torch.dtype) -> float:
-    fi = torch.finfo(dtype.to_real() if dtype.is_complex else dtype)
-    return fi.tiny * fi.eps
-
-
-# mean of delta**2 / u**2 for a round-to-nearest relative error delta when mantissas are log-uniformly
-# distributed (Benford): the absolute error is uniform in +-ulp/2, so E[delta**2] = u**2/3 * E[1/m**2] with
-# m in [1, 2) of density 1/(m ln 2), E[1/m**2] = 3/(8 ln 2).
-KAPPA = 1.0 / (8.0 * math.log(2.0))
-
-# exp and log kernels: a few ulps of the compute type each (vectorized SLEEF u10 and glibc are <= 1-2 ulps)
-EXP_ULPS = 4.0
-
-# families whose bound is gamma_n times a sum of magnitudes (the rest round once per element)
-SUM_FAMILIES = frozenset({Family.REDUCTION, Family.MATMUL, Family.CONV, Family.NORM, Family.LOSS, Family.ATTENTION,
-                          Family.FFT})
-
-
-def accumulation_sq(K: int, terms_sq: float, result_sq: float) -> float:
-    """Estimated sum of the squared partial sums s_1..s_K of K-term inner products accumulated in
-    sequence (BLAS and oneDNN kernels run K in order per output, one rounding per step with FMA), over
-    all outputs, given sum t**2 over every term t and sum c**2 over every result c. With the terms in
-    random order the partial sums form a Brownian bridge from 0 to c: E[s_j**2] = (j/K)**2 c**2 +
-    (j/K)(1 - j/K) V, V = sum t**2 - c**2 / K; summed over j: K/3 c**2 + K/6 V."""
-    if K <= 0:  # empty inner products: no accumulation
-        return 0.0
-    return K / 3.0 * result_sq + K / 6.0 * max(terms_sq - result_sq / K, 0.0)
-
-
-def effective_bits(err_sq_sum: float, scale_sq_sum: float, acc_sq_sum: float = 0.0,
-                   dtype: torch.dtype | None = None, n_out: int = 1) -> float:
-    """The stored mantissa bits p that explain an observed error, under the model "every quantity the op
-    is sensitive to is rounded once to p bits, independently, and the op's long sums accumulate as a
-    correct kernel in ``dtype`` would": p = -log2(u_eff) - 1 with
-
-        u_eff**2 = ( sum(err**2) / KAPPA  -  ua**2 * ACC ) / sum(T**2)
-
-    T runs over those quantities (the rule's scale), ACC (``acc_sq_sum``) is the sum of the squared partial
-    sums a sequential accumulation rounds (:func:`accumulation_sq`), ua the unit roundoff of ``dtype``'s
-    accumulation type; what is subtracted is ACC's expectation plus three deviations of its scatter over
-    ``n_out`` outputs. A correctly rounded float32 op reads ~23, a matmul on TF32-rounded inputs ~10; with
-    a ``dtype`` the figure never exceeds its stored bits. The model and why it is not the worst case solved
-    for u: docs/budgets.md.
-
-    Returns inf for an exact result, -inf for an error where the scale is 0, nan where the scale is not
-    finite (non-finite inputs).
-
-    >>> round(effective_bits(KAPPA * 2.0**-22, 1.0), 6)   # errors of u = 2**-11 in rms: 10 bits
-    10.0
-    """
-    if not math.isfinite(scale_sq_sum) or not math.isfinite(acc_sq_sum) or math.isnan(err_sq_sum):
-        return math.nan
-    if err_sq_sum <= 0.0:
-        return math.inf
-    excess = err_sq_sum / KAPPA
-    p_max = math.inf if dtype is None else _stored_bits(dtype)
-    if acc_sq_sum > 0.0 and dtype is not None:
-        excess -= unit_roundoff(accumulation_dtype(dtype)) ** 2 * acc_sq_sum * (1 + 3 * math.sqrt(2 / max(n_out, 1)))
-        if excess <= 0.0:
-            return p_max
-    if scale_sq_sum <= 0.0 or math.isinf(err_sq_sum):
-        return -math.inf
-    return min(-0.5 * math.log2(excess / scale_sq_sum) - 1.0, p_max)
-
-
-_HALF_LOG2_KAPPA = 0.5 * math.log2(KAPPA)
-
-
-def effective_bits_rel(rel: float, dtype: torch.dtype) -> float:
-    """:func:`effective_bits` where the scale is the result itself and nothing accumulates, from the error's
-    ``rel`` = sqrt(err_sq_sum / scale_sq_sum) (finite and > 0, as ``ErrorStats.rel_norm``): the same model,
-    -0.5 log2(rel**2 / KAPPA) - 1, without forming the sums (most calls, once each).
-
-    >>> effective_bits_rel(2.0**-11 * math.sqrt(KAPPA), torch.float32) == 10.0
-    True
-    """
-    return min(-math.log2(rel) + _HALF_LOG2_KAPPA - 1.0, _stored_bits(dtype))
-
-
-@functools.cache
-def _stored_bits(dtype: torch.dtype) -> float:
-    """The stored mantissa bits of ``dtype``'s real part: the most bits an error can read."""
-    return float(precision_bits(dtype.to_real() if dtype.is_complex else dtype))
 
 
 # --- the record a rule returns ---
@@ -457,7 +344,7 @@ class BudgetCall:
 
     def floor(self, c: float = 1.0) -> float:
         """c subnormal spacings of the device dtype: the rounding of results below its smallest normal."""
-        return c * _subnormal_min(self.dtype)
+        return c * subnormal_min(self.dtype)
 
     def final(self, r: torch.Tensor, c: float = 1.0) -> torch.Tensor:
         """c roundings of the result to the device dtype: c*u*|r| + c subnormal spacings."""
@@ -509,6 +396,7 @@ class BudgetRule:
     fn: Rule
     family: str
     reads_overwritten: bool = True
+    early: bool = False
 
     def __call__(self, c: BudgetCall) -> Any:
         c.family = self.family
@@ -551,10 +439,10 @@ DEFAULT_ULPS = 4.0
 
 BUDGETS: RuleTable[BudgetRule] = RuleTable(
     "budget", default=BudgetRule(InUlps(Family.DEFAULT, DEFAULT_ULPS, is_default=True), str(Family.DEFAULT),
-                                 reads_overwritten=False))
+                                 reads_overwritten=False, early=True))
 
 
-def _held(rule: Rule, family: str | None, reads: bool, ops: tuple = ()) -> BudgetRule:
+def _held(rule: Rule, family: str | None, reads: bool, ops: tuple = (), early: bool = False) -> BudgetRule:
     """``rule`` as the table holds it: an ``InUlps`` is of its own family, any other rule of the one named."""
     if isinstance(rule, InUlps):
         if family is not None and str(family) != rule.family:
@@ -564,15 +452,18 @@ def _held(rule: Rule, family: str | None, reads: bool, ops: tuple = ()) -> Budge
     if family is None:
         raise TypeError(f"a budget rule for {', '.join(map(str, ops)) or 'a predicate'} ({rule_name(rule)}): name "
                         "its family (family=Family.X, shadow.opsets.Family): the budgets it builds are of it")
-    return BudgetRule(rule, str(family), reads)
+    return BudgetRule(rule, str(family), reads, early or isinstance(rule, InUlps))  # an InUlps reads nothing
 
 
-def register_budget(*ops: OpOverload, family: str | None = None,
-                    reads_overwritten: bool = True) -> Callable[[Rule], Rule]:
+def register_budget(*ops: OpOverload, family: str | None = None, reads_overwritten: bool = True,
+                    early: bool = False) -> Callable[[Rule], Rule]:
     """Register a budget rule for exact op overloads; registering an op twice is a ``DuplicateRuleError``.
     ``family`` (a ``shadow.opsets.Family``; an ``InUlps`` rule has its own): the family of the budgets the rule
     builds, unless it names another. ``reads_overwritten=False`` promises that the rule never reads what an
-    in-place op overwrites (its ``self``), so the engine need not copy it before the op.
+    in-place op overwrites (its ``self``), so the engine need not copy it before the op. ``early=True`` promises
+    that the rule's bounds read the op's inputs only, never the values of its references (which it may hold, to
+    read after the replay: ``scale_sq``'s sums), so that the engine may build them before the replays overwrite
+    the inputs instead of copying the inputs first (:func:`builds_early`).
 
     >>> with BUDGETS.scoped():
     ...     _ = register_budget(aten.fix.default, family=Family.ELEMENTWISE, reads_overwritten=False)(
@@ -582,7 +473,7 @@ def register_budget(*ops: OpOverload, family: str | None = None,
     """
 
     def deco(rule: Rule) -> Rule:
-        held = _held(rule, family, reads_overwritten, ops)
+        held = _held(rule, family, reads_overwritten, ops, early)
         BUDGETS.register(*ops, family=held.family)(held)
         return rule
 
@@ -670,6 +561,16 @@ def reads_overwritten(func: OpOverload) -> bool:
     if base is not None:
         return reads_overwritten(base)
     return any(rule.reads_overwritten for rule in BUDGETS.chain(func))
+
+
+def builds_early(func: OpOverload) -> bool:
+    """Whether the budget of a call of ``func`` may be built from its inputs before the replays overwrite them
+    (every rule that may answer was registered with ``early=True``): an in-place op's inputs then need no copy.
+
+    >>> builds_early(aten._fused_adamw_.default), builds_early(aten.lerp_.Scalar)
+    (True, False)
+    """
+    return all(rule.early for rule in BUDGETS.chain(func))
 
 
 # --- foreach ops: each list element answers as the op the name says ---

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from ..opsets import Family
-from .core import Budget, BudgetCall, gamma, overloads, register_budget
+from .core import Budget, BudgetCall, overloads, register_budget
+from .units import gamma
 from .elementwise import linspace_budget
 
 

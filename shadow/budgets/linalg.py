@@ -22,8 +22,9 @@ import torch
 from ..metrics import fused_bounds
 from ..opsets import CONVOLUTIONS, MATMULS, Family
 from ..plan import OpPlan
-from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, aten, coefficient, gamma, is_float,
-                   overloads, reduced_dims, register_budget, register_budget_predicate, sumsq)
+from .core import (Budget, BudgetCall, add_into, aten, coefficient, is_float, overloads, reduced_dims, register_budget,
+                   register_budget_predicate, sumsq)
+from .units import EXP_ULPS, accumulation_sq, gamma
 from .elementwise import ULPS
 
 

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import torch
 
 from ..opsets import Family
-from .core import EXP_ULPS, Budget, BudgetCall, gamma, overloads, register_budget
+from .core import Budget, BudgetCall, overloads, register_budget
+from .units import EXP_ULPS, gamma
 from .elementwise import register_ulps
 
 _REDUCTION = {0: "none", 1: "mean", 2: "sum"}

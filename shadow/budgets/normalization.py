@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ..opsets import Family
-from .core import Budget, BudgetCall, add_into, gamma, is_float, numel_over, overloads, register_budget
+from .core import Budget, BudgetCall, add_into, is_float, numel_over, overloads, register_budget
+from .units import gamma
 
 
 @dataclasses.dataclass(slots=True)

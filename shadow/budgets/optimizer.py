@@ -281,7 +281,7 @@ def _pooled(c: BudgetCall, params: list, per_param: int) -> Callable:
     return take
 
 
-@register_budget(*overloads(*_FUSED_STEPS), family=Family.ELEMENTWISE)
+@register_budget(*overloads(*_FUSED_STEPS), family=Family.ELEMENTWISE, early=True)
 def fused_optimizer_budget(c: BudgetCall) -> Budget:
     """Each written tensor's bound carried element by element through the step's roundings, each at ``ua`` (the
     compute type's unit roundoff, float32 for the halves), the square root and the division as one rounding each,

@@ -21,8 +21,9 @@ from typing import Any, Callable
 import torch
 
 from ..opsets import Family
-from .core import (EXP_ULPS, Budget, BudgetCall, accumulation_sq, add_into, coefficient, gamma, magnitude,
-                   numel_over, overloads, reduced_dims, register_budget, sumsq)
+from .core import (Budget, BudgetCall, add_into, coefficient, magnitude, numel_over, overloads, reduced_dims,
+                   register_budget, sumsq)
+from .units import EXP_ULPS, accumulation_sq, gamma
 from .elementwise import ULPS
 
 

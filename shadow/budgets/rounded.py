@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .core import EXP_ULPS, gamma
+from .units import EXP_ULPS, gamma
 
 F = torch.nn.functional
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..opsets import Family
-from .core import Budget, BudgetCall, add_into, gamma, is_float, overloads, register_budget
+from .core import Budget, BudgetCall, add_into, is_float, overloads, register_budget
+from .units import gamma
 
 BILINEAR, NEAREST, BICUBIC = 0, 1, 2
 ZEROS, REFLECTION = 0, 2  # padding modes (1: border)

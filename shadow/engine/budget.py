@@ -1,6 +1,7 @@
-"""A call's error budget (``shadow.budgets``), from its inputs before the op and its float64 references. A budget
-rule that fails costs the call its budget, never its figures: counted in ``coverage.internal_errors`` under
-"budget of OP"."""
+"""A call's error budget (``shadow.budgets``), from its inputs before the op and its float64 references (built when
+the call is judged, or before the replays for a rule that reads the inputs alone: ``built_early``). A budget rule
+that fails costs the call its budget, never its figures: counted in ``coverage.internal_errors`` under "budget of
+OP"."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from .. import nested
 from ..budgets import Budget, budget_for
-from .values import Outputs, Prepared
+from ..plan import OpPlan
+from .values import Args, Outputs, Prepared
 
 if TYPE_CHECKING:
     from .core import Engine
@@ -36,28 +38,45 @@ def budget_of(engine: Engine, prepared: Prepared, references: list, dtype: torch
     None when its rule failed."""
     if prepared.fixed is not None:  # no argument read, no rule's code run: nothing to guard
         return prepared.fixed.budget(references, dtype)
+    if prepared.early is not None:
+        return prepared.early[0]
     pre = prepared.pre
     inputs_dtype = prepared.inputs[0].dtype if prepared.inputs else None
-    return guarded(engine, prepared, None, lambda: budget_for(prepared.plan.func, pre.args, pre.kwargs, references,
-                                                               dtype, scratch=engine.scratch,
-                                                               inputs_dtype=inputs_dtype))
+    return guarded(engine, prepared.plan, None, lambda: budget_for(prepared.plan.func, pre.args, pre.kwargs,
+                                                                    references, dtype, scratch=engine.scratch,
+                                                                    inputs_dtype=inputs_dtype))
+
+
+def built_early(engine: Engine, plan: OpPlan, reference: Args, args: tuple, kwargs: dict,
+                inputs: list[torch.Tensor]) -> Budget | None:
+    """The budget of an in-place call that returns nothing, built with its bounds before the device op and the
+    replays overwrite the inputs it reads (``shadow.budgets.builds_early``; None where its rule failed). Its
+    references are the reference inputs the op writes, in the order of the outputs' slots (``read_outputs``): the
+    local replay writes its results there, which the budget reads when judged (``scale_sq``'s sums)."""
+    references = [t for _, t in plan.tensors(reference.args, reference.kwargs, plan.writes)]
+    dtype = next((t.dtype for _, t in plan.tensors(args, kwargs, plan.writes)
+                  if t.is_floating_point() or t.is_complex()), inputs[0].dtype if inputs else torch.float64)
+    built = guarded(engine, plan, None, lambda: budget_for(plan.func, reference.args, reference.kwargs, references,
+                                                          dtype, scratch=engine.scratch,
+                                                          inputs_dtype=inputs[0].dtype if inputs else None))
+    return None if built is None else guarded(engine, plan, built, lambda: built.divisors)
 
 
 def with_bounds(engine: Engine, prepared: Prepared, budget: Budget | None) -> Budget | None:
     """``budget`` once the bounds the comparisons read are built (bounds are built lazily: None when the rule
     fails there, which costs the call its budget only); budgets in ulps need no bounds."""
     if budget is not None and budget.ulps is None:
-        return guarded(engine, prepared, budget, lambda: budget.divisors)
+        return guarded(engine, prepared.plan, budget, lambda: budget.divisors)
     return budget
 
 
-def guarded(engine: Engine, prepared: Prepared, value: Any, build: Callable[[], Any]) -> Any:
+def guarded(engine: Engine, plan: OpPlan, value: Any, build: Callable[[], Any]) -> Any:
     """``value`` once ``build()`` succeeded (``build()``'s result when value is None); None when a budget rule
     failed in it: its bug must not cost the op its error figures (counted, visible in the coverage)."""
     try:
         built = build()
     except Exception as exc:
-        engine.report.internal_error(f"budget of {prepared.plan.name}",
+        engine.report.internal_error(f"budget of {plan.name}",
                                      f"internal error: {type(exc).__name__}: {exc}"[:240])
         return None
     return built if value is None else value

@@ -191,7 +191,7 @@ def merged_figures(engine: Engine, prepared: Prepared, compared: tuple[Compared,
             whole = _whole(compared)
             # a fixed budget's scale is its outputs' (shadow's own code, no rule's: nothing to guard)
             local.effective_bits = budget.bits(local, whole) if prepared.fixed is not None else \
-                guarded(engine, prepared, None, lambda: budget.bits(local, whole))
+                guarded(engine, prepared.plan, None, lambda: budget.bits(local, whole))
         info = BudgetInfo(budget.family, local.budget_used or 0.0, budget.is_default)
     return Judged(local, drift, flips, local_flips, mismatch, info, spot, compared, skipped)
 

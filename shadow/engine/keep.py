@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..mirror import CPU
-from ..plan import ArgSpec
+from ..plan import ArgSpec, OpPlan
 from ..records import Record, op_class
 from ..reproscript import checksum, is_plain
 from ..sidecar import PER_CLASS, KeptCall, KeptInputs, TensorSlot, encode
@@ -100,7 +100,7 @@ def capture(engine: Engine, prepared: Prepared, rec: Record, outputs: Outputs, a
     written = {t.untyped_storage().data_ptr() for _, t in plan.tensors(args, kwargs, plan.writes)}
     before = [t for _, t in plan.tensors(*prepared.pre)] if prepared.pre is not None else []
     reference = [t for _, t in plan.tensors(*prepared.reference)]
-    if sum(t.numel() * t.element_size() for _, t in plan.tensors(args, kwargs)) > cap:
+    if _input_bytes(plan, args, kwargs) > cap:
         raise NotKeepable(f"left out by the cap of max_repro_bytes={cap}")
     tensors: list[dict] = []
     seen: dict[int, int] = {}
@@ -143,6 +143,16 @@ def capture(engine: Engine, prepared: Prepared, rec: Record, outputs: Outputs, a
         (o.device.device for o in outputs.items if isinstance(o.device, torch.Tensor)), CPU)
     return KeptCall(rec.index, rec.op, str(device), str(outputs.dtype).removeprefix("torch."), tensors, a, kw,
                     writes, checksums, rec.to_dict())
+
+
+def _input_bytes(plan: OpPlan, args: tuple, kwargs: dict) -> int:
+    return sum(t.numel() * t.element_size() for _, t in plan.tensors(args, kwargs))
+
+
+def keepable(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
+    """Whether the keeper could keep this call's inputs, were it over budget: its tensors within the cap of
+    ``max_repro_bytes`` (a call of more is never kept, so nothing need be copied for it before the op)."""
+    return engine.keeper is not None and _input_bytes(plan, args, kwargs) <= engine.keeper.kept.cap
 
 
 def keeper_of(options: Any, meta: dict) -> Keeper | None:

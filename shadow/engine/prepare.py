@@ -1,6 +1,6 @@
 """Preparation, before the device runs an op: the shadow inputs, the device's own inputs upcast, the inputs as they
-were before an in-place op, and the CPU copies of ``compare_cpu`` (one ``Prepared``). Views only get their input
-storages' shadows (``see``)."""
+were before an in-place op (or, for a budget that reads only them, the budget itself: ``shadow.budgets.builds_early``),
+and the CPU copies of ``compare_cpu`` (one ``Prepared``). Views only get their input storages' shadows (``see``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..budgets import reads_overwritten
+from ..budgets import builds_early, reads_overwritten
 from ..errors import ShadowMemoryError, Unsupported
 from ..mirror import SHADOW_DTYPES, Placement
 from ..plan import ArgSpec, OpPlan, flat_returns
 from ..records import Event
+from .budget import built_early
+from .keep import keepable
 from .values import Args, Prepared
 
 if TYPE_CHECKING:
@@ -52,9 +54,13 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
     # judge asks for it only where an output is floating
     budget = options.budgets and options.local
     fixed = route.fixed if budget else None
-    pre = None
+    pre = early = None
     if spot or (budget and fixed is None):
-        pre = pre_inputs(engine, plan, local if local is not None else shadow, spot)
+        reference = local if local is not None else shadow
+        if not spot and builds_early(plan.func) and not plan.returns and not keepable(engine, plan, args, kwargs):
+            early = (built_early(engine, plan, reference, args, kwargs, inputs.tensors),)
+        else:
+            pre = pre_inputs(engine, plan, reference, spot)
     if cap is not None and engine.mirror.held > cap:
         raise ShadowMemoryError(
             f"shadow holds {engine.mirror.held} bytes of float64 shadows at {plan.name} (call {engine.index}), "
@@ -69,7 +75,7 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
                 spec.put(a, kw, torch.device("cpu"))
         cpu = Args(a, kw)
     return Prepared(plan, route.chain, shadow, local, pre, cpu, inputs.exact, inputs.nonfinite, inputs.drift,
-                    inputs.tensors, inputs.storages, spot, budget, fixed, route.direct)
+                    inputs.tensors, inputs.storages, spot, budget, fixed, route.direct, early)
 
 
 class InputShadows:

@@ -32,7 +32,7 @@ def spot_check(engine: Engine, prepared: Prepared, out: Any, references: Any, dt
     The device's results are read where their shadows live (``Engine.near``, with the call's outputs ``batch``):
     the copies the comparisons read after."""
     if budget is not None and budget.of_sum:  # its bound ranks the samples: built from the reference as it is
-        budget = guarded(engine, prepared, budget, lambda: budget.bound)
+        budget = guarded(engine, prepared.plan, budget, lambda: budget.bound)
     plan = prepared.plan
     try:
         batch = list(batch)

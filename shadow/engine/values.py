@@ -45,6 +45,9 @@ class Prepared(NamedTuple):
     budget: bool  # its local error is held to the op's budget
     fixed: InUlps | None  # the op's budget where it reads no argument (``shadow.budgets.fixed_budget``)
     direct: bool  # its outputs are read by the direct builder (``shadow.engine.outputs.takes_direct_path``)
+    # (its budget, or None where the rule failed), built before the replays overwrote the inputs it reads, which
+    # then were not copied (``shadow.budgets.builds_early``); None: built when judged
+    early: tuple | None = None
 
     @property
     def reference(self) -> Args:
