@@ -13,7 +13,8 @@ targets compare the shadowed step with what it must at least do: ``drift / (nati
 default one's is timed again after 16 steps, when even an op called once per step is past the calls whose spot
 checks it all samples (``shadow.spot``): what a long run pays per step. The optimizer phase (``opt.step()``) is
 timed inside the same steps and held to the same floors on its own. ``--optimizer`` picks the step's optimizer
-(``OPTIMIZERS``), ``--peaks`` adds each configuration's peak resident memory, each run in a process of its own.
+(``OPTIMIZERS``); ``--separate`` runs each configuration in a process of its own, its third step timed beside the
+process's peak resident memory (GPT-2 small's configurations do not fit in 24 GB together).
 Per-op overhead: a chain of tiny elementwise ops, (shadowed - native) / ops, beside a pass-through dispatch mode,
 a bare float64 replay and the drift path's features written for that one op, timed in the same run (the floor
 under shadow's own bookkeeping, and what its engine's generality adds). The chain multiplies, and mul rounds once
@@ -273,36 +274,45 @@ def _steady(step, device: str, reps: int, at: dict) -> tuple[float, float]:
     return statistics.median(times), statistics.median(shares)
 
 
-PEAK_CONFIGS = {"native": None, "f64": None, "drift": DRIFT, "full": {}}
+SEPARATE_CONFIGS = {"native": None, "f64": None, "drift": DRIFT, "full": {}}
 
 
-def peak_of(name: str, config: str, optimizer: str, steps: int = 3) -> int:
-    """The peak resident bytes of this process (``VmHWM``: ``ru_maxrss`` keeps the parent's peak across the
-    fork) once it has built the model and run ``steps`` training steps in ``config`` (a key of PEAK_CONFIGS;
-    "f64": the model converted in place): one configuration per process, so that each peak is its own."""
+def run_alone(name: str, config: str, optimizer: str, steps: int = 3) -> dict:
+    """One configuration (a key of SEPARATE_CONFIGS; "f64": the model converted in place) in this process: the last
+    of ``steps`` training steps timed (whole and its optimizer phase), and the process's peak resident bytes
+    (``VmHWM``: ``ru_maxrss`` keeps the parent's peak across the fork), so that each peak is the configuration's own."""
     torch.manual_seed(0)
     model, x = MODELS[name]()
     if config == "f64":
         model, x = model.double(), x.double() if x.is_floating_point() else x
     step = _step_fn(model, x, optimizer)
-    opts = PEAK_CONFIGS[config]
+    opts = SEPARATE_CONFIGS[config]
     with ShadowMode(**opts) if opts is not None else _nullctx():
-        for _ in range(steps):
+        for _ in range(steps - 1):
             step()
+        t = _once(step, "cpu")
     with open("/proc/self/status") as f:  # Linux
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))  # kB
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))  # kB
+    return {"step_ms": t * 1e3, "opt_ms": step.optimizer_s * 1e3, "peak_bytes": peak}
 
 
-def bench_peaks(name: str, optimizer: str) -> dict[str, int]:
-    """Every configuration's peak resident bytes, each measured in a process of its own (``peak_of``)."""
+def bench_separate(name: str, optimizer: str) -> dict:
+    """Every configuration of SEPARATE_CONFIGS in a process of its own (``run_alone``): for a model whose
+    configurations do not fit in one process beside each other (GPT-2 small's), and for each one's peak memory."""
     import subprocess
 
-    peaks = {}
-    for config in PEAK_CONFIGS:
-        out = subprocess.run([sys.executable, __file__, "--peak-of", name, config, "--optimizer", optimizer],
+    runs = {}
+    for config in SEPARATE_CONFIGS:
+        out = subprocess.run([sys.executable, __file__, "--alone", name, config, "--optimizer", optimizer],
                              check=True, capture_output=True, text=True).stdout
-        peaks[config] = int(out.split()[-1])
-    return peaks
+        runs[config] = json.loads(out.splitlines()[-1])
+    t = {k: r["step_ms"] for k, r in runs.items()}
+    o = {k: r["opt_ms"] for k, r in runs.items()}
+    return {"model": name, "optimizer": optimizer, "runs": runs,
+            "drift_ratio": t["drift"] / (t["native"] + t["f64"]),
+            "full_ratio": t["full"] / (t["native"] + 2 * t["f64"]),
+            "drift_opt_ratio": o["drift"] / (o["native"] + o["f64"]),
+            "full_opt_ratio": o["full"] / (o["native"] + 2 * o["f64"])}
 
 
 def _release_memory() -> None:
@@ -623,12 +633,13 @@ def main() -> None:
     ap.add_argument("--no-steady", action="store_true",
                     help=f"leave out the default mode's step after {EVERY_CALL_FIRST} steps (a large model's "
                          "16 shadowed steps)")
-    ap.add_argument("--peaks", action="store_true",
-                    help="also each configuration's peak resident memory, each in a process of its own (CPU, "
-                         "Linux)")
-    ap.add_argument("--peak-of", nargs=2, metavar=("MODEL", "CONFIG"),
-                    help=f"print this process's peak resident bytes after 3 steps of MODEL in CONFIG "
-                         f"({', '.join(PEAK_CONFIGS)}): what --peaks runs")
+    ap.add_argument("--separate", action="store_true",
+                    help="each configuration (native, f64, drift, default) in a process of its own: its third "
+                         "step's time and the process's peak resident memory (CPU, Linux); for models whose "
+                         "configurations do not fit in one process (GPT-2 small)")
+    ap.add_argument("--alone", nargs=2, metavar=("MODEL", "CONFIG"),
+                    help="run one configuration in this process and print its figures as JSON: what --separate "
+                         "runs")
     ap.add_argument("--loaded", action="store_true",
                     help="also time each model's native and default shadowed step while other processes load "
                          "every core (thread oversubscription)")
@@ -644,8 +655,8 @@ def main() -> None:
         raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
     if args.clock == "thread" and args.device != "cpu":
         raise SystemExit("--clock thread: CPU only (a GPU's work is not this thread's CPU time)")
-    if args.peak_of:
-        print(peak_of(*args.peak_of, args.optimizer))
+    if args.alone:
+        print(json.dumps(run_alone(*args.alone, args.optimizer)))
         return
     if args.per_op:
         print(json.dumps(bench_per_op(args.device, reps=args.reps, shadow_device=args.shadow_device,
@@ -655,10 +666,18 @@ def main() -> None:
     replay = replay_device(args.device, args.shadow_device)
     print(f"torch {torch.__version__}, device {args.device} ({dev_name}), {torch.get_num_threads()} threads, "
           f"shadow_device={args.shadow_device!r}: shadows and replays on {replay}")
+    if args.separate:
+        rows = [bench_separate(name, args.optimizer) for name in args.models]
+        print(json.dumps({r["model"]: r for r in rows}))
+        for r in rows:
+            print(f"{r['model']} ({r['optimizer']}), each configuration in its own process: " + ", ".join(
+                f"{k} {v['step_ms']:.0f} ms (optimizer {v['opt_ms']:.0f} ms, peak {v['peak_bytes'] / 2**30:.2f} GiB)"
+                for k, v in r["runs"].items()) + f"; drift {r['drift_ratio']:.2f}x of native+f64, default "
+                f"{r['full_ratio']:.2f}x of native+2 f64 (optimizer phase {r['drift_opt_ratio']:.2f}x, "
+                f"{r['full_opt_ratio']:.2f}x)")
+        return
     rows = [bench_model(name, args.device, args.reps, args.shadow_device, args.optimizer, not args.no_steady)
             for name in args.models]
-    for r in rows if args.peaks else ():
-        r["peak_bytes"] = bench_peaks(r["model"], args.optimizer)
     if args.models_only:
         print(json.dumps({r["model"]: r for r in rows}))
         return
@@ -685,9 +704,6 @@ def main() -> None:
             f"(spot checks timed inside it: {r['steady_spot_in_step']:.0%}): {r['steady_full_ratio']:.2f}x of "
             "native+2 f64"
         )
-        if "peak_bytes" in r:
-            print(f"{'':<30} peak resident memory, each in a process of its own: " + ", ".join(
-                f"{k} {v / 2**30:.2f} GiB" for k, v in r["peak_bytes"].items()))
     per_op = bench_per_op(args.device, shadow_device=args.shadow_device, clock=args.clock)
     print(
         f"per-op overhead (4-element tensors): native {per_op['native_us']:.1f} us/op, "
