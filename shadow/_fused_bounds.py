@@ -3,7 +3,7 @@ the largest bound / |r| (the spot check's element), |a| * scale + offset (an ele
 sums of squares along its rows and down its columns (a matmul's bound), and the bounds of a fused Adam(W) step
 (``budgets.optimizer``). Each gives torch's values (the same bits, or the same sums to rounding) from one read
 where torch's path makes two or three; the Adam(W) step's, from one read of its inputs where the ``Rounded``
-chain of ``budgets.optimizer.adam_step`` makes about a hundred passes over each parameter-sized tensor.
+chain of ``budgets.optimizer.adam_step`` runs some forty torch operations over each parameter-sized tensor.
 """
 
 from __future__ import annotations
@@ -139,7 +139,9 @@ def _parallel_squares(a_address, m, k, rows_address, cols_address):
 
 # --- the fused Adam(W) step's bounds: ``budgets.optimizer.adam_step`` on ``budgets.rounded.Rounded`` values, one
 # element at a time. A value is a pair (v, e), an exact input (v, 0.0); each operation is Rounded's, its operands
-# in the same order, so that every bound is the torch chain's to the bit (tests hold them equal).
+# in the same order, so that every bound is the torch chain's to the bit wherever torch's float64 square root rounds
+# correctly (its vectorized CPU kernel is an ulp off on some inputs; this one is not): tests hold the two within
+# 2**-50 relative.
 @njit(inline="always")
 def _new(v, e, ua):
     return v, e + ua * abs(v)
@@ -309,8 +311,9 @@ def adam(ins: list, outs: list, constants: dict, flags: set, ua: float, u_store:
     exp_avg, exp_avg_sq, max_exp_avg_sq; outs in the same places: param's, exp_avg's and exp_avg_sq's always, the
     grad's where ``scaled``, the max's where ``amsgrad``; None where absent): ``constants`` by the names of
     ADAM_CONSTANTS as (value, error) pairs, ``flags`` the names of ADAM_FLAGS that hold, ``u_store`` the last
-    rounding's unit. The values of ``Rounded``'s chain, bit for bit. False, ``outs`` untouched, where the pass cannot
-    read every tensor (``readable``, one size) or they have at most SMALL elements."""
+    rounding's unit. The values of ``Rounded``'s chain (to the bit but for torch's square root). False, ``outs``
+    untouched, where the pass cannot read every tensor (``readable``, one size) or they have at most SMALL elements.
+    """
     n = ins[0].numel()
     present = [t for t in (*ins, *outs) if t is not None]
     if n <= SMALL or not all(readable(t) and t.numel() == n for t in present):

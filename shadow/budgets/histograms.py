@@ -21,8 +21,8 @@ import torch
 
 from ..opsets import Family
 from .core import Budget, BudgetCall, overloads, register_budget
-from .units import gamma
 from .elementwise import linspace_budget
+from .units import gamma
 
 
 def _histogram_rows(c: BudgetCall) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,8 +24,8 @@ from ..opsets import CONVOLUTIONS, MATMULS, Family
 from ..plan import OpPlan
 from .core import (Budget, BudgetCall, add_into, aten, coefficient, is_float, overloads, reduced_dims, register_budget,
                    register_budget_predicate, sumsq)
-from .units import EXP_ULPS, accumulation_sq, gamma
 from .elementwise import ULPS
+from .units import EXP_ULPS, accumulation_sq, gamma
 
 
 # --- matmul family: gamma_K(ua) * (|A| @ |B|) (Higham Thm 3.5, any order, FMA or not) ---

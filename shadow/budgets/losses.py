@@ -12,8 +12,8 @@ import torch
 
 from ..opsets import Family
 from .core import Budget, BudgetCall, overloads, register_budget
-from .units import EXP_ULPS, gamma
 from .elementwise import register_ulps
+from .units import EXP_ULPS, gamma
 
 _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
 

@@ -23,8 +23,8 @@ import torch
 from ..opsets import Family
 from .core import (Budget, BudgetCall, add_into, coefficient, magnitude, numel_over, overloads, reduced_dims,
                    register_budget, sumsq)
-from .units import EXP_ULPS, accumulation_sq, gamma
 from .elementwise import ULPS
+from .units import EXP_ULPS, accumulation_sq, gamma
 
 
 # --- long sums ---

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..attribution.tracking import Attribution
-from ..budgets import InUlps, fixed_budget
+from ..budgets import InUlps, builds_early, fixed_budget
 from ..compiled.kernels import judge as judge_kernel
 from ..errors import ShadowMemoryError
 from ..mirror import CPU, Mirror, Placement
@@ -48,6 +48,7 @@ class Route(NamedTuple):
     view: bool  # an alias or a metadata change: nothing to compute, nothing to compare
     direct: bool  # its outputs are read by the direct builder (``shadow.engine.outputs.takes_direct_path``)
     fixed: InUlps | None  # its budget where it reads no argument (``shadow.budgets.fixed_budget``)
+    early: bool  # its budget may be built before the replays overwrite its inputs (``shadow.budgets.builds_early``)
 
 
 class Skip(enum.Enum):
@@ -111,7 +112,8 @@ class Engine:
         budget rule the graph gives (``graph.plan``, ``graph.chain``, ``graph.budget``): the record's op is the
         graph's name, its figures the compiled code's outputs against the float64 replay of its aten graph."""
         if id(graph) not in self._routes:
-            self._routes[id(graph)] = Route(graph.plan, graph.chain, view=False, direct=False, fixed=graph.budget)
+            self._routes[id(graph)] = Route(graph.plan, graph.chain, view=False, direct=False, fixed=graph.budget,
+                                            early=False)
             self._ops.append(graph)
         n = len(self.report.records)
         out = self.dispatch(graph, args, {})
@@ -132,7 +134,8 @@ class Engine:
             if not plan.tensor_args and not any(r.is_tensor for r in plan.returns):
                 return None
             chain = REPLAY.chain(func)
-            return Route(plan, chain, chain[0] is view_rule, takes_direct_path(plan, chain), fixed_budget(func))
+            return Route(plan, chain, chain[0] is view_rule, takes_direct_path(plan, chain), fixed_budget(func),
+                         not plan.returns and builds_early(func))
         except Exception as exc:  # never raise into the user's program
             self.report.internal_error(str(func), f"internal error reading the schema: {exc}")
             return None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..budgets import builds_early, reads_overwritten
+from ..budgets import reads_overwritten
 from ..errors import ShadowMemoryError, Unsupported
 from ..mirror import SHADOW_DTYPES, Placement
 from ..plan import ArgSpec, OpPlan, flat_returns
@@ -57,7 +57,7 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
     pre = early = None
     if spot or (budget and fixed is None):
         reference = local if local is not None else shadow
-        if not spot and builds_early(plan.func) and not plan.returns and not keepable(engine, plan, args, kwargs):
+        if not spot and route.early and not keepable(engine, plan, args, kwargs):
             early = (built_early(engine, plan, reference, args, kwargs, inputs.tensors),)
         else:
             pre = pre_inputs(engine, plan, reference, spot)
