@@ -72,7 +72,7 @@ def regression_runs(steps: int, sgd: bool = False):
     return sm.report, l32, l64, flat(fc), flat(fc64)
 
 
-SHORT = 200  # past the loss's first burst of drift (0.16 at step 188), short of its end
+SHORT = 200  # past the loss's first burst of drift (0.1 to 0.16 near step 188), short of its end
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,9 @@ def check_regression(rep, l32, l64, steps):
 
 def test_the_regression_loop_amplifies_correct_rounding(regression_run):
     measured = check_regression(*regression_run[:3], SHORT)
-    assert max(measured) > 0.1  # the run is that sensitive: one correct rounding per call grown to 0.16
+    # the run is that sensitive: one correct rounding per call grown to a relative drift of 0.16 on one Xeon, 0.095
+    # on another (which roundings the CPU's kernels make moves how far it grows, never whether)
+    assert max(measured) > 0.03
 
 
 @pytest.mark.slow
@@ -192,10 +194,12 @@ def test_a_chaotic_recurrence_amplifies_and_says_where(chaotic):
     assert a.drifts == (("the result", pytest.approx(hgap[-1], rel=1e-6)),) and a.steps == 0
     # the drift along the tanh's calls is the state's, h_1 ... h_T (saturating near the end)
     assert (a.peak, a.peak_at) == (pytest.approx(max(hgap), rel=1e-6), int(np.argmax(hgap)) + 1)
+    # the peak is named where the drift fell back from it (it saturates near 1: at the last call on some CPUs)
+    peak = f", up to {max(hgap):.2g} (call {a.peak_at} of aten.tanh at Recurrence)" if max(hgap) > hgap[-1] else ""
     assert v.lines[0] == ("verdict: no call over its float32 budget, yet the program amplifies correct rounding: "
-                          f"the result drifts {hgap[-1]:.2g} from float64 (relative), up to {max(hgap):.2g} (call "
-                          f"{a.peak_at} of aten.tanh at Recurrence), where one rounding per call (32 u of float32 "
-                          f"added up over {rep.coverage.replayed} calls) explains at most {a.bound:.2g}")
+                          f"the result drifts {hgap[-1]:.2g} from float64 (relative){peak}, where one rounding per "
+                          f"call (32 u of float32 added up over {rep.coverage.replayed} calls) explains at most "
+                          f"{a.bound:.2g}")
     # no steps: the growth is per call of the op where it grows, the tanh of the recurrence, once per time step;
     # the gap grows e-fold about every 4 steps, and fluctuates by a factor ~2 around that trend (the error's
     # direction turns), which moves an estimate from the two ends by 2 ln(2) / (T - 1)

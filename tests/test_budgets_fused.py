@@ -101,13 +101,14 @@ def test_adam_pass_is_the_rounded_chain(dtype, adamw, amsgrad, maximize, weight_
     """The fused Adam(W) bounds from one pass equal the ``Rounded`` chain's (NaN where it is NaN), on every branch of
     the step (beta1 = 0.3: the lerp from its far end) and in both the serial and parallel loops: to the bit but for
     the square root, which the pass rounds correctly and torch's float64 CPU kernel (vectorized) to within an ulp
-    (1.4 % of random inputs an ulp off, measured on torch 2.13 AVX-512): within a few float64 roundings."""
+    (1.4 % of random inputs an ulp off, measured on torch 2.13 AVX-512; the chain after it carries that ulp, 2**-48
+    relative at one of 196,615 elements on an Intel Xeon with AVX512-FP16): within a few float64 roundings."""
     for n in (1000, 3 * 2 ** 16 + 7):
         fast, slow = _adam_budgets(n, dtype, adamw=adamw, amsgrad=amsgrad, maximize=maximize,
                                    weight_decay=weight_decay, beta1=beta1, grad_scale=grad_scale)
         assert len(fast) == len(slow) == 4 + amsgrad
         for a, b in zip(fast, slow):
-            torch.testing.assert_close(a, b, rtol=2.0 ** -50, atol=0, equal_nan=True)
+            torch.testing.assert_close(a, b, rtol=2.0 ** -46, atol=0, equal_nan=True)
         assert slow[0][5:].gt(0).all() and slow[0][3].isnan()  # real bounds, and the infinity's NaN kept
 
 
