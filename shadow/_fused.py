@@ -343,6 +343,17 @@ def _combine(parts):
     return total
 
 
+def joined(parts: list[list[float]]) -> list[float]:
+    """FIGURES lists of consecutive parts of one result joined in their order, as ``_combine`` joins chunks."""
+    total = list(parts[0])
+    for f in parts[1:]:
+        for k in _SUMS:
+            total[k] += f[k]
+        for k in _MAXES:
+            total[k] = max(total[k], f[k])
+    return total
+
+
 def _serial_pass(y_address, y_like, table, r_address, bound_address, n, n_bound, emin, scale, alpha, op, other_address,
                  n_other):
     y, r, bits, bound, step, other, ostep = _arrays(y_address, y_like, table, r_address, bound_address, n, n_bound,

@@ -264,6 +264,30 @@ def compare_pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, dtype: torc
     return _fused_stats(drift, n, False, dtype), _fused_stats(local, n, bound is not None, dtype)
 
 
+def part_figures(y: torch.Tensor, r: torch.Tensor | None, lo: torch.Tensor, dtype: torch.dtype, bound: Any = None
+                 ) -> tuple[list | None, list]:
+    """The fused pass's raw figures of one part of a result (``shadow._fused.FIGURES``): against its shadow ``r``
+    (None: no drift figures) and, with the bound, against its local reference ``lo``; ``joined_stats`` turns the
+    parts of one result into its ``compare``. For real CPU results when numba is there (``can_join``)."""
+    b, scale, alpha, op, other = _pass_bound(bound, lo, dtype)
+    tiny = _consts(dtype)[0]
+    if r is None:
+        return None, fused.figures(y, lo, b, tiny, scale, alpha, op, other)
+    return fused.pair(y, r, lo, b, tiny, scale, alpha, op, other)
+
+
+def can_join(y: torch.Tensor, *references: torch.Tensor) -> bool:
+    """Whether ``part_figures`` reads a result and its references: real, on the CPU, numba there."""
+    return fused is not None and not y.is_complex() and not _off_cpu(y) and \
+        all(not r.is_complex() and not _off_cpu(r) for r in references)
+
+
+def joined_stats(parts: list[list], n: int, bounded: bool, dtype: torch.dtype) -> ErrorStats:
+    """The ErrorStats of a result of ``n`` elements from its parts' figures (``part_figures``), in their order:
+    sums added, maxima taken, as the fused pass joins its own chunks."""
+    return _fused_stats(fused.joined(parts), n, bounded, dtype)
+
+
 def _compare_loop(y: torch.Tensor, yl: list, r: torch.Tensor, dtype: torch.dtype, n: int,
                   bound: torch.Tensor | None) -> ErrorStats:
     """compare's Python loop over a CPU reference of n <= _TINY elements, y's values read already (``yl``)."""

@@ -34,6 +34,7 @@ from . import (attention, elementwise, histograms, linalg, losses, normalization
                recurrent, reductions, sampling, transformer)
 from .core import (BUDGETS, DEFAULT_ULPS, Budget, BudgetCall, InUlps, budget_for, builds_early, fixed_budget,
                    reads_overwritten, register_budget, register_budget_predicate)
+from .optimizer import left_as_read
 from .units import KAPPA, effective_bits, gamma, unit_roundoff
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "effective_bits",
     "fixed_budget",
     "gamma",
+    "left_as_read",
     "reads_overwritten",
     "register_budget",
     "register_budget_predicate",

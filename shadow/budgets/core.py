@@ -96,7 +96,7 @@ class Budget:
     True
     """
 
-    __slots__ = ("_bound", "_built", "_dtype", "_formulas", "_make", "_outputs", "_scale_sq", "family",
+    __slots__ = ("_bound", "_built", "_dtype", "_elements", "_formulas", "_make", "_outputs", "_scale_sq", "family",
                  "is_default", "ulps")
 
     def __init__(self, family: str, bound: Sequence[torch.Tensor | None] | Callable[[], Sequence] | None, *,
@@ -117,6 +117,7 @@ class Budget:
         self._scale_sq = scale_sq
         self._formulas = formulas
         self._built = None
+        self._elements: int | None = None  # the outputs' elements where they are not held (``of_pieces``)
 
     @classmethod
     def of_formulas(cls, family: str, formulas: Callable[[], Sequence[UlpsPlus | torch.Tensor | None]], *,
@@ -127,6 +128,16 @@ class Budget:
             return [f.tensor(r, out=_empty(scratch, r)) if isinstance(f, UlpsPlus) else f
                     for f, r in zip(budget.formulas(), outputs)]
         budget = cls(family, make, outputs=outputs, dtype=dtype, formulas=formulas)
+        return budget
+
+    @classmethod
+    def of_pieces(cls, like: Budget, scales: tuple[float, float], elements: int) -> Budget:
+        """The budget of a call judged in pieces (``shadow.engine.pieces``): the family, default flag and ulps of
+        ``like`` (a piece's), the pieces' ``scales()`` summed and their outputs' elements, for ``bits`` over every
+        element; no bounds and no tensors held (each piece compared its own part)."""
+        budget = cls(like.family, None, outputs=(), dtype=like._dtype, is_default=like.is_default, ulps=like.ulps,
+                     scale_sq=scales)
+        budget._elements = elements
         return budget
 
     @property
@@ -191,7 +202,8 @@ class Budget:
         if whole and self._scale_sq is None and len(outs) == 1:  # the one output is the one compared
             return effective_bits_rel(stats.rel_norm, self._dtype)
         s, acc = self.scales()
-        return effective_bits(stats.norm ** 2, s, acc, self._dtype, sum(r.numel() for r in outs if is_float(r)))
+        n = self._elements if self._elements is not None else sum(r.numel() for r in outs if is_float(r))
+        return effective_bits(stats.norm ** 2, s, acc, self._dtype, n)
 
     def __repr__(self) -> str:
         extra = f", ulps={self.ulps}" if self.ulps is not None else ""

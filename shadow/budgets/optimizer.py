@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -245,6 +246,12 @@ _FUSED_STEPS = {
     "_fused_sgd": (_sgd, ("self", "grads", "momentum_buffer_list")),
     "_fused_adagrad": (_adagrad, ("self", "grads", "state_sums")),
 }
+
+
+def left_as_read(plan: OpPlan, args: Sequence, kwargs: dict) -> frozenset[str]:
+    """The lists an in-place fused optimizer step declares it writes but leaves as it read them: its grads, unless
+    a ``grad_scale`` unscales them (the steps' bounds give them 0, ``_exact``)."""
+    return frozenset() if plan.arg(args, kwargs, "grad_scale") is not None else frozenset({"grads"})
 
 
 def _written_lists(c: BudgetCall) -> list[str]:

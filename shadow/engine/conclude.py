@@ -16,6 +16,7 @@ from ..rules import run_chain
 from .commit import adopt_all, commit, in_world
 from .judge import cpu_error, judge
 from .outputs import direct_outputs, read_outputs
+from .pieces import judge_pieces
 from .prepare import promoted
 from .record import record
 from .values import Outputs, Prepared, Replayed
@@ -76,7 +77,8 @@ def conclude(engine: Engine, prepared: Prepared, args: tuple, kwargs: dict, out:
     """Judge, commit, record and observe a replayed call (``at``: where a deferred call was made)."""
     plan, hooks = prepared.plan, engine.hooks
     deferred = at is not None
-    judged = judge(engine, prepared, outputs, out, replayed.local if prepared.local is not None else replayed.shadow)
+    judged = judge_pieces(engine, prepared, outputs) if prepared.before is not None else \
+        judge(engine, prepared, outputs, out, replayed.local if prepared.local is not None else replayed.shadow)
     if at is None:
         at = engine.attribution.where(plan.func, args, kwargs, out, engine.index, prepared.inputs)
     compared = judged.compared

@@ -28,6 +28,7 @@ from .deferred import Deferrals
 from .hooks import EngineHooks
 from .keep import keeper_of
 from .outputs import takes_direct_path
+from .pieces import takes_pieces
 from .prepare import NoValues, entry_of, prepare, see
 from .record import record
 from .values import Prepared
@@ -49,6 +50,7 @@ class Route(NamedTuple):
     direct: bool  # its outputs are read by the direct builder (``shadow.engine.outputs.takes_direct_path``)
     fixed: InUlps | None  # its budget where it reads no argument (``shadow.budgets.fixed_budget``)
     early: bool  # its budget may be built before the replays overwrite its inputs (``shadow.budgets.builds_early``)
+    pieces: bool  # its large calls may be judged in pieces (``shadow.engine.pieces.takes_pieces``)
 
 
 class Skip(enum.Enum):
@@ -113,7 +115,7 @@ class Engine:
         graph's name, its figures the compiled code's outputs against the float64 replay of its aten graph."""
         if id(graph) not in self._routes:
             self._routes[id(graph)] = Route(graph.plan, graph.chain, view=False, direct=False, fixed=graph.budget,
-                                            early=False)
+                                            early=False, pieces=False)
             self._ops.append(graph)
         n = len(self.report.records)
         out = self.dispatch(graph, args, {})
@@ -134,8 +136,9 @@ class Engine:
             if not plan.tensor_args and not any(r.is_tensor for r in plan.returns):
                 return None
             chain = REPLAY.chain(func)
+            early = not plan.returns and builds_early(func)
             return Route(plan, chain, chain[0] is view_rule, takes_direct_path(plan, chain), fixed_budget(func),
-                         not plan.returns and builds_early(func))
+                         early, takes_pieces(plan, early))
         except Exception as exc:  # never raise into the user's program
             self.report.internal_error(str(func), f"internal error reading the schema: {exc}")
             return None

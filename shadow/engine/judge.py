@@ -47,11 +47,11 @@ def judge(engine: Engine, prepared: Prepared, outputs: Outputs, out: Any, refere
     if outputs.plain and len(items) == 1:  # most calls: one floating tensor, its shadow of its shape and dtype
         o = items[0]
         device = engine.near(o.device, (x.device for x in items))
-        bound, ulps = _bound(budget, 0) if budget is not None else (None, None)
+        bound, ulps = bound_of(budget, 0) if budget is not None else (None, None)
         compared = (figures(engine, o.shadow, device, o.shadow, o.local, o.device.dtype, bound, ulps),)
     elif outputs.plain:  # floating strided tensors with shadows of their shape and dtype: straight to the figures
         compared = tuple(figures(engine, o.shadow, engine.near(o.device, (x.device for x in items)), o.shadow,
-                                 o.local, o.device.dtype, *_bound(budget, o.slot)) for o in items)
+                                 o.local, o.device.dtype, *bound_of(budget, o.slot)) for o in items)
     else:
         compared = tuple(_compare(engine, prepared, o, outputs, budget) for o in items)
     return merged_figures(engine, prepared, compared, budget, spot)
@@ -103,7 +103,7 @@ def _compare_tensor(engine: Engine, prepared: Prepared, o: Output, dtype: torch.
                         keep=shadow.to(shadow_dtype) if shadow_dtype is not None else None)
     if shadow.dtype != shadow_dtype:
         shadow = shadow.to(shadow_dtype)
-    bound, ulps = _bound(budget, o.slot)
+    bound, ulps = bound_of(budget, o.slot)
     if defined is None or defined.shape != device.shape or bool(defined.all()):
         return figures(engine, shadow, device, shadow, local, dtype, bound, ulps)
     defined = defined.to(shadow.device)
@@ -131,7 +131,7 @@ def _compare_nested(engine: Engine, prepared: Prepared, o: Output, budget: Budge
     return c if c.keep is None else c._replace(keep=shadow.to(c.keep.dtype))
 
 
-def _bound(budget: Budget | None, slot: int | None) -> tuple[Any, float | None]:
+def bound_of(budget: Budget | None, slot: int | None) -> tuple[Any, float | None]:
     """(the bound, the ulps) an output at ``slot`` is held to: a tensor or formula where the budget has bounds,
     a number of ulps where it is in ulps (no tensor: budget_used = max_ulp / ulps)."""
     if budget is None or slot is None:
@@ -158,6 +158,14 @@ def figures(engine: Engine, keep: Any, device: torch.Tensor, shadow: torch.Tenso
         stats = compare(device, shadow, dtype, bound if shared else None) if options.drift or shared else None
         if options.local and has_local:
             local_stats = compare(device, local, dtype, bound) if local.shape == device.shape else ErrorStats()
+    return compared(engine, keep, stats, local_stats, shared, ulps, skipped)
+
+
+def compared(engine: Engine, keep: Any, stats: ErrorStats | None, local_stats: ErrorStats | None, shared: bool,
+             ulps: float | None, skipped: int = 0) -> Compared:
+    """One output's ``Compared`` from its comparisons with its shadow (``stats``) and its local reference
+    (``local_stats``; ``shared``: there is none, the shadow's serves, under the budget)."""
+    options = engine.options
     drift = stats if options.drift else None
     if shared:  # the shadow comparison, under the budget: a copy without budget_used stays the drift
         local_stats = stats

@@ -1,5 +1,6 @@
-"""Preparation, before the device runs an op: the shadow inputs, the device's own inputs upcast, the inputs as they
-were before an in-place op (or, for a budget that reads only them, the budget itself: ``shadow.budgets.builds_early``),
+"""Preparation, before the device runs an op: the shadow inputs, the device's own inputs upcast (for a large call
+judged in pieces, those it writes as they are, in their dtypes: ``shadow.engine.pieces``), the inputs as they were
+before an in-place op (or, for a budget that reads only them, the budget itself: ``shadow.budgets.builds_early``),
 and the CPU copies of ``compare_cpu`` (one ``Prepared``). Views only get their input storages' shadows (``see``)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..plan import ArgSpec, OpPlan, flat_returns
 from ..records import Event
 from .budget import built_early
 from .keep import keepable
+from .pieces import before_values, wants_pieces
 from .values import Args, Prepared
 
 if TYPE_CHECKING:
@@ -38,13 +40,6 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
         inputs.note_writes()
     if plan.remap_args:
         remap_args(plan, place, shadow)
-    local = None
-    if options.local and not inputs.exact:
-        local = Args(*plan.map_tensors(args, kwargs, Upcasts(engine, inputs.tensors)))
-        if plan.remap_args:
-            remap_args(plan, place, local)
-    if plan.writes and engine.copies:  # the op writes these: copies read over before it are out of date
-        engine.copies.drop(plan.tensors(args, kwargs, plan.writes))
     dtype = inputs.tensors[0].dtype if inputs.tensors else None
     # float64 devices have no headroom over the float64 reference: nothing to validate; the elements of nested
     # inputs have no indices a reference could read
@@ -53,9 +48,19 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
     # a floating result of no floating input (a factory op, an integer division) is held to its budget too: the
     # judge asks for it only where an output is floating
     budget = options.budgets and options.local
+    local = before = None
+    if options.local and not inputs.exact:
+        if route.pieces and budget and not spot and wants_pieces(engine, plan, args, kwargs):
+            before = before_values(engine, plan, args, kwargs)
+        else:
+            local = Args(*plan.map_tensors(args, kwargs, Upcasts(engine, inputs.tensors)))
+            if plan.remap_args:
+                remap_args(plan, place, local)
+    if plan.writes and engine.copies:  # the op writes these: copies read over before it are out of date
+        engine.copies.drop(plan.tensors(args, kwargs, plan.writes))
     fixed = route.fixed if budget else None
     pre = early = None
-    if spot or (budget and fixed is None):
+    if before is None and (spot or (budget and fixed is None)):
         reference = local if local is not None else shadow
         if not spot and route.early and not keepable(engine, plan, args, kwargs):
             early = (built_early(engine, plan, reference, args, kwargs, inputs.tensors),)
@@ -75,7 +80,7 @@ def prepare(engine: Engine, route: Route, args: tuple, kwargs: dict) -> Prepared
                 spec.put(a, kw, torch.device("cpu"))
         cpu = Args(a, kw)
     return Prepared(plan, route.chain, shadow, local, pre, cpu, inputs.exact, inputs.nonfinite, inputs.drift,
-                    inputs.tensors, inputs.storages, spot, budget, fixed, route.direct, early)
+                    inputs.tensors, inputs.storages, spot, budget, fixed, route.direct, early, before)
 
 
 class InputShadows:

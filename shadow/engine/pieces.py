@@ -1,0 +1,185 @@
+"""Large calls of the in-place fused optimizers (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``,
+``_fused_adagrad_``: every parameter in one call) judged in pieces: the local replay, its budget and the comparisons
+run on one parameter at a time, a large one in runs of ``CHUNK`` elements. What such a call holds beside the shadows
+is then the lists it writes as they were before the op, in their own dtypes, and one piece's float64 working set,
+where the whole path holds every input upcast and every bound at once (seven float64 copies of the parameters for
+AdamW). Each element of these steps depends on the same element of its lists alone, so a piece's replay and bounds
+are the whole call's on its elements; a parameter's figures are its pieces' joined as the fused comparison joins its
+own chunks (sums in another order: within rounding of the whole path's). A call the keeper may keep (``shadow
+repro``), a spot-checked one and one whose whole local replay is read after (``compare_cpu``, ``shadow.attribute``'s
+worlds, observers) takes the whole path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..budgets import Budget, left_as_read
+from ..metrics import can_join, joined_stats, part_figures
+from ..plan import ArgType, OpPlan
+from ..replay import Replay
+from ..rules import run_chain
+from .budget import built_early, guarded
+from .judge import bound_of, compared, figures, merged_figures
+from .keep import keepable
+from .values import Args, Compared, Judged, Outputs, Prepared
+
+if TYPE_CHECKING:
+    from .core import Engine
+
+PIECE_BYTES = 64 << 20  # a call whose tensors take fewer bytes is judged whole
+# elements of a piece of a large parameter: 8 MB in float64, which glibc serves from memory it reused (no fresh
+# pages to fault in); a multiple of the fused comparison's chunk (shadow._fused.CHUNK)
+CHUNK = 1 << 20
+
+
+def takes_pieces(plan: OpPlan, early: bool) -> bool:
+    """Whether an op's large calls may be judged in pieces, decided once per overload: an in-place step whose budget
+    is built from its inputs alone (``Route.early``), every argument it writes a Tensor[] list."""
+    return early and plan.op_name.endswith("_") and bool(plan.writes) and not plan.remap_args and \
+        all(spec.type is ArgType.TENSORS for spec in plan.writes)
+
+
+def wants_pieces(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of such an op is judged in pieces: its tensors take ``PIECE_BYTES`` or more, the keeper
+    could not keep it, nothing reads its whole local replay, its lists are as long as its parameters' (or empty),
+    and every tensor it writes is a floating strided one."""
+    options, hooks = engine.options, engine.hooks
+    if options.compare_cpu or hooks.world is not None or hooks.observe is not None or \
+            keepable(engine, plan, args, kwargs):
+        return False
+    if sum(t.numel() * t.element_size() for _, t in plan.tensors(args, kwargs)) < PIECE_BYTES:
+        return False
+    n = len(plan.writes[0].get(args, kwargs))
+    return all(len(spec.get(args, kwargs) or ()) in (0, n) for spec in plan.tensor_args
+               if spec.type is ArgType.TENSORS) and \
+        all(t.is_floating_point() and t.layout == torch.strided and not t.is_nested and not t._is_zerotensor()
+            for _, t in plan.tensors(args, kwargs, plan.writes))
+
+
+def before_values(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> Args:
+    """The call's inputs as the device has them before the op, to read after it: each tensor it writes (and any
+    sharing its memory) copied where its shadow lives, in its own dtype, except the lists its step leaves as it read
+    them (``shadow.budgets.left_as_read``); the others as they are, or read over where their shadows live."""
+    unchanged = left_as_read(plan, args, kwargs)
+    written = {t.untyped_storage().data_ptr() for spec, t in plan.tensors(args, kwargs, plan.writes)
+               if spec.name not in unchanged}
+    place, scratch = engine.mirror.place, engine.scratch
+    seen: dict[int, torch.Tensor] = {}
+
+    def before(t: torch.Tensor, _: Any) -> torch.Tensor:
+        c = seen.get(id(t))
+        if c is None:
+            if t.untyped_storage().data_ptr() in written:
+                c = scratch.copy(t, t.dtype, place(t.device))
+            else:
+                c = t if place(t.device) == t.device else engine.near(t)
+            seen[id(t)] = c
+        return c
+
+    return Args(*plan.map_tensors(args, kwargs, before))
+
+
+def judge_pieces(engine: Engine, prepared: Prepared, outputs: Outputs) -> Judged:
+    """``judge``'s answer for a call judged in pieces: per piece, its inputs upcast, its budget built from them, the
+    local replay, each written tensor's part compared with its device values and its shadow; the parts' figures
+    joined per output, the call's budget its pieces' (``Budget.of_pieces``)."""
+    plan, before, items = prepared.plan, prepared.before, outputs.items
+    item_of = _items(plan, before)
+    parts: dict[int, list] = {}  # an output judged in parts: its parts' (drift, local) figures
+    done: dict[int, Compared] = {}
+    bounds: dict[int, tuple] = {}  # an output judged in parts: (bounded, ulps)
+    like = None  # the call's budget as its pieces' (``Budget.of_pieces``), with their scales and elements summed
+    scale = accumulated = 0.0
+    elements = 0
+    failed = False  # a piece's budget rule failed: the call has none (counted as an internal error)
+    drift = engine.options.drift
+    for i, span, piece in _pieces(engine, plan, before):
+        local = _upcast(engine, plan, piece)
+        budget = None if failed else built_early(engine, plan, local, piece.args, piece.kwargs, prepared.inputs)
+        run_chain(prepared.chain, Replay(plan, local.args, local.kwargs, None, scratch=engine.scratch))
+        references = [t for _, t in plan.tensors(local.args, local.kwargs, plan.writes)]
+        # its scale read now, while its references live
+        scales = guarded(engine, plan, None, budget.scales) if budget is not None else None
+        if scales is None:
+            failed = True
+        else:
+            like = like or Budget.of_pieces(budget, (0.0, 0.0), 0)
+            scale, accumulated = scale + scales[0], accumulated + scales[1]
+            elements += sum(r.numel() for r in references)
+        for slot, ((spec, _), reference) in enumerate(zip(plan.tensors(piece.args, piece.kwargs, plan.writes),
+                                                          references)):
+            k = item_of[spec.index, i]
+            o = items[k]
+            bound, ulps = bound_of(budget, slot) if budget is not None else (None, None)
+            device = engine.near(o.device, (x.device for x in items))
+            if span is None:
+                done[k] = figures(engine, o.shadow, device, o.shadow, reference, o.device.dtype, bound, ulps)
+                continue
+            parts.setdefault(k, []).append(part_figures(_cut(device, span), _cut(o.shadow, span) if drift else None,
+                                                        reference, o.device.dtype, bound))
+            bounds[k] = (bound is not None, ulps)
+    for k, figures_of in parts.items():
+        o, (bounded, ulps) = items[k], bounds[k]
+        n, dtype = o.device.numel(), o.device.dtype
+        stats = joined_stats([d for d, _ in figures_of], n, False, dtype) if drift else None
+        done[k] = compared(engine, o.shadow, stats, joined_stats([lo for _, lo in figures_of], n, bounded, dtype),
+                           False, ulps)
+    figures_in_order = tuple(done[k] for k in range(len(items)))
+    if failed:  # as the whole path without a budget: no output's use of it
+        for c in figures_in_order:
+            if c.local is not None:
+                c.local.budget_used = None
+    return merged_figures(engine, prepared, figures_in_order, None if failed or like is None else
+                          Budget.of_pieces(like, (scale, accumulated), elements), None)
+
+
+def _items(plan: OpPlan, before: Args) -> dict[tuple[int, int], int]:
+    """(written argument, list index) -> its output's place among ``Outputs.items`` (``read_outputs``' order)."""
+    at, k = {}, 0
+    for spec in plan.writes:
+        for i, t in enumerate(before.get(spec) or ()):
+            if isinstance(t, torch.Tensor):
+                at[spec.index, i] = k
+                k += 1
+    return at
+
+
+def _pieces(engine: Engine, plan: OpPlan, before: Args) -> Iterator[tuple[int, slice | None, Args]]:
+    """(list index, span of its elements or None for all, the piece's arguments: every list cut to that element)."""
+    lead = before.get(plan.writes[0])
+    lists = [spec for spec in plan.tensor_args if spec.type is ArgType.TENSORS and before.get(spec)]
+    for i, param in enumerate(lead):
+        tensors = [before.get(spec)[i] for spec in lists]
+        shape, numel = param.shape, param.numel()
+        # in runs where each written tensor is the parameter's shape, and each read one too or a number (a step)
+        chunked = numel > CHUNK and can_join(param) and \
+            all((t.shape == shape and t.is_contiguous()) or (t.numel() == 1 and spec.index not in plan.write_args)
+                for spec, t in zip(lists, tensors))
+        spans = [slice(a, min(a + CHUNK, numel)) for a in range(0, numel, CHUNK)] if chunked else [None]
+        for span in spans:
+            args, kwargs = list(before.args), dict(before.kwargs)
+            for spec, t in zip(lists, tensors):
+                spec.put(args, kwargs, [_cut(t, span) if t.shape == shape else t])
+            yield i, span, Args(args, kwargs)
+
+
+def _cut(t: torch.Tensor, span: slice | None) -> torch.Tensor:
+    """Elements ``span`` of a contiguous tensor, flat (None: the tensor)."""
+    return t if span is None else t.view(-1)[span]
+
+
+def _upcast(engine: Engine, plan: OpPlan, piece: Args) -> Args:
+    """A piece's arguments in their shadow dtypes where the shadows live (a tensor passed twice, upcast once)."""
+    mirror, scratch = engine.mirror, engine.scratch
+    seen: dict[int, torch.Tensor] = {}
+
+    def upcast(t: torch.Tensor, _: Any) -> torch.Tensor:
+        c = seen.get(id(t))
+        if c is None:
+            c = seen[id(t)] = scratch.copy(t, mirror.shadow_dtype(t.dtype) or t.dtype, mirror.place(t.device))
+        return c
+
+    return Args(*plan.map_tensors(piece.args, piece.kwargs, upcast))
