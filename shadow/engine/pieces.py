@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from .core import Engine
 
 PIECE_BYTES = 64 << 20  # a call whose tensors take fewer bytes is judged whole
-# elements of a piece of a large parameter: 8 MB in float64, which glibc serves from memory it reused (no fresh
-# pages to fault in); a multiple of the fused comparison's chunk (shadow._fused.CHUNK)
-CHUNK = 1 << 20
+# elements of a piece of a large parameter: 2 MB in float64 a tensor, which glibc serves from memory it reused (no
+# fresh pages to fault in) and the caches still hold for the comparison after the replay (benchmarks/RESULTS.md);
+# a multiple of the fused comparison's chunk (shadow._fused.CHUNK)
+CHUNK = 1 << 18
 
 
 def takes_pieces(plan: OpPlan, early: bool) -> bool:
