@@ -112,3 +112,28 @@ def test_a_small_call_and_a_kept_one_are_judged_whole(monkeypatch):
                 model(torch.randn(4, 64)).square().mean().backward()
                 opt.step()
     assert judged == []
+
+
+def test_a_budget_rule_failing_in_a_piece_costs_the_call_its_budget_only(monkeypatch):
+    """A rule that raises on a parameter (here the one-pass Adam bounds, from the second call on) costs the call its
+    budget in either path, never its figures, and is counted as an internal error: the records equal."""
+    from shadow.budgets import optimizer
+
+    real = optimizer._adam_pass
+
+    def fails(c, i, *args):
+        if fails.calls > 2:
+            raise RuntimeError("a broken rule")
+        fails.calls += 1
+        return real(c, i, *args)
+
+    results = []
+    for whole in (True, False):
+        fails.calls = 0
+        monkeypatch.setattr(optimizer, "_adam_pass", fails)
+        results.append(_run(OPTIMIZERS["adamw"], torch.float32, whole, monkeypatch))
+    (_, shadows_whole, whole, _), (_, shadows_split, split, _) = results
+    assert all(torch.equal(a, b) for a, b in zip(shadows_whole, shadows_split))
+    assert [r["budget"] for r in split][1:] == [None, None] and split[1]["local"]["max_abs"] > 0
+    assert split[1]["local"]["budget_used"] is None
+    _same_records(whole, split)

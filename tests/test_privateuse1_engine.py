@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import shadow
 from shadow import ShadowMode
 from shadow.cli import main
+from shadow.engine import conclude, pieces
 
 from corpus import build
 from corpus import run as run_program
@@ -195,24 +196,34 @@ def test_random_ops_are_adopted_not_replayed(dml):
     assert rel(shadows[3], w.double()) < 1e-7  # adopted draws (float32), summed in float64
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused", "for-loop"])
-def test_optimizer_kernels_against_float64(dml, impl):
+@pytest.mark.parametrize("impl", ["foreach", "fused", "fused-pieces", "for-loop"])
+def test_optimizer_kernels_against_float64(dml, impl, monkeypatch):
     """Adam's foreach kernels (the device default: composites over DirectML's ops, lerp through the fallback), its
-    fused kernel (through the CPU fallback: _fused_adam_) and the for-loop: shadows equal a CPU float64 run."""
-    flags = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[impl]
+    fused kernel (through the CPU fallback: _fused_adam_; judged in pieces, its lists copied to the CPU before the
+    op, in "fused-pieces") and the for-loop: shadows equal a CPU float64 run."""
+    flags = {"foreach": {"foreach": True}, "fused": {"fused": True}, "fused-pieces": {"fused": True},
+             "for-loop": {"foreach": False}}[impl]
+    judged = []
+    if impl == "fused-pieces":
+        monkeypatch.setattr(pieces, "PIECE_BYTES", 0)
+        monkeypatch.setattr(pieces, "CHUNK", 1 << 15)
+        monkeypatch.setattr(conclude, "judge_pieces", lambda *a: judged.append(1) or pieces.judge_pieces(*a))
     reference = mlp().double()
     adam_steps(reference, "cpu", foreach=False)
     model = mlp().to(dml)
-    with ShadowMode() as sm:
+    with ShadowMode(**({"max_repro_bytes": 0} if impl == "fused-pieces" else {})) as sm:  # kept calls: whole
         adam_steps(model, dml, **flags)
         shadows = [sm.shadow_of(p) for p in model.parameters()]
     cov = sm.report.coverage
     assert cov.internal_errors == 0 and not cov.unsupported, cov
     for s, p in zip(shadows, reference.parameters()):
         assert rel(s, p) < TOL
-    if impl == "fused":
+    if impl.startswith("fused"):
         (fused,) = {r.op for r in sm.report.records if "fused_adam" in r.op}
-        assert all(r.cpu_fallback for r in sm.report.records if r.op == fused)
+        calls = [r for r in sm.report.records if r.op == fused]
+        assert all(r.cpu_fallback for r in calls)
+        assert all(r.budget is not None and r.budget.used <= 1 for r in calls if r.local is not None)
+        assert (len(judged) > 0) == (impl == "fused-pieces")
 
 
 @pytest.mark.parametrize("name", [pytest.param("gpt_masked_fill", marks=pytest.mark.slow), "lstm_lm", "lstm",
