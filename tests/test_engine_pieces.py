@@ -57,14 +57,18 @@ def _run(make, dtype, whole: bool, monkeypatch, scaled: bool = False):
 def _same_records(a: list[dict], b: list[dict]) -> None:
     assert len(a) == len(b) == 3
     for ra, rb in zip(a, b):
-        la, lb = ra.pop("local"), rb.pop("local")
+        figures = [(ra.pop(name), rb.pop(name)) for name in ("local", "drift")]
         assert ra == rb
-        assert la.keys() == lb.keys()
-        for k in la:
-            if k in SUMS and isinstance(la[k], float):
-                assert math.isclose(la[k], lb[k], rel_tol=1e-12), (k, la[k], lb[k])
-            else:
-                assert la[k] == lb[k], (k, la[k], lb[k])
+        for fa, fb in figures:
+            assert (fa is None) == (fb is None)
+            if fa is None:
+                continue
+            assert fa.keys() == fb.keys()
+            for k in fa:
+                if k in SUMS and isinstance(fa[k], float):
+                    assert math.isclose(fa[k], fb[k], rel_tol=1e-12), (k, fa[k], fb[k])
+                else:
+                    assert fa[k] == fb[k], (k, fa[k], fb[k])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
