@@ -1,5 +1,6 @@
-"""A call's error budget (``shadow.budgets``), from its inputs before the op and its float64 references (built when
-the call is judged, or before the replays for a rule that reads the inputs alone: ``built_early``). A budget rule
+"""A call's error budget (``shadow.budgets``), from its inputs before the op (``pre_inputs``: the copies of those an
+in-place op overwrites) and its float64 references (built when the call is judged, or before the replays for a rule
+that reads the inputs alone: ``built_early``). A budget rule
 that fails costs the call its budget, never its figures: counted in ``coverage.internal_errors`` under "budget of
 OP"."""
 
@@ -10,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import nested
-from ..budgets import Budget, budget_for
-from ..plan import OpPlan
+from ..budgets import Budget, budget_for, reads_overwritten
+from ..plan import ArgSpec, OpPlan
 from .values import Args, Outputs, Prepared
 
 if TYPE_CHECKING:
@@ -60,6 +61,25 @@ def built_early(engine: Engine, plan: OpPlan, reference: Args, args: tuple, kwar
                                                           dtype, scratch=engine.scratch,
                                                           inputs_dtype=inputs[0].dtype if inputs else None))
     return None if built is None else guarded(engine, plan, built, lambda: built.divisors)
+
+
+def pre_inputs(engine: Engine, plan: OpPlan, reference: Args, spot: bool) -> Args:
+    """The reference's inputs as they are before the op: every input that shares memory with a written argument
+    is copied (the replays write them; ``x.add_(x, alpha=2)``, ``add(x, y, out=x)``), except out= buffers
+    themselves (nothing reads them) and the op's in-place ``self`` when no spot check is planned and the op's
+    budget rules do not read it (``shadow.budgets.reads_overwritten``)."""
+    written = {t.untyped_storage().data_ptr() for _, t in plan.tensors(reference.args, reference.kwargs, plan.writes)}
+    if not written:
+        return Args(list(reference.args), dict(reference.kwargs))
+    skip = plan.out_args if spot or reads_overwritten(plan.func) else plan.write_args
+    scratch = engine.scratch
+
+    def snapshot(t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in written:
+            return t
+        return scratch.copy(t, t.dtype, t.device)
+
+    return Args(*plan.map_tensors(reference.args, reference.kwargs, snapshot, skip))
 
 
 def with_bounds(engine: Engine, prepared: Prepared, budget: Budget | None) -> Budget | None:

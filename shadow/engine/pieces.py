@@ -1,27 +1,29 @@
-"""Large calls of the in-place fused optimizers (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``,
-``_fused_adagrad_``: every parameter in one call) judged in pieces: the local replay, its budget and the comparisons
-run on one parameter at a time, a large one in runs of ``CHUNK`` elements. What such a call holds beside the shadows
-is then the lists it writes as they were before the op, in their own dtypes, and one piece's float64 working set,
-where the whole path holds every input upcast and every bound at once (seven float64 copies of the parameters for
-AdamW). Each element of these steps depends on the same element of its lists alone, so a piece's replay and bounds
-are the whole call's on its elements; a parameter's figures are its pieces' joined as the fused comparison joins its
-own chunks (sums in another order: within rounding of the whole path's). A call the keeper may keep (``shadow
-repro``), a spot-checked one and one whose whole local replay is read after (``compare_cpu``, ``shadow.attribute``'s
-worlds, observers) takes the whole path."""
+"""Large calls of in-place list ops judged in pieces: the fused optimizers (``_fused_adam_``, ``_fused_adamw_``,
+``_fused_sgd_``, ``_fused_adagrad_``: every parameter in one call) and the ``_foreach_`` ops the foreach optimizers
+are made of. The local replay, its budget and the comparisons run on one list element at a time, a large one in
+runs of ``CHUNK`` elements. What such a call holds beside the shadows is then the lists it writes as they were
+before the op, in their own dtypes, and one piece's float64 working set, where the whole path holds every input
+upcast and every bound at once (seven float64 copies of the parameters for a fused AdamW call). Each element of
+these ops depends on the same element of its lists alone, so a piece's replay and bounds are the whole call's on its
+elements; an output's figures are its pieces' joined as the fused comparison joins its own chunks (sums in another
+order: within rounding of the whole path's). A call the keeper may keep (``shadow repro``), a spot-checked one, one
+whose whole local replay is read after (``compare_cpu``, ``shadow.attribute``'s worlds, observers) and one of a
+single output take the whole path."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..budgets import Budget, left_as_read
+from ..budgets import Budget, builds_early, left_as_read
 from ..metrics import can_join, joined_stats, part_figures
-from ..plan import ArgType, OpPlan
+from ..plan import ArgType, OpPlan, flat_returns
 from ..replay import Replay
 from ..rules import run_chain
-from .budget import built_early, guarded
+from .budget import budget_of, built_early, guarded, pre_inputs, with_bounds
 from .judge import bound_of, compared, figures, merged_figures
 from .keep import keepable
 from .values import Args, Compared, Judged, Outputs, Prepared
@@ -37,10 +39,39 @@ CHUNK = 1 << 18
 
 
 def takes_pieces(plan: OpPlan, early: bool) -> bool:
-    """Whether an op's large calls may be judged in pieces, decided once per overload: an in-place step whose budget
-    is built from its inputs alone (``Route.early``), every argument it writes a Tensor[] list."""
-    return early and plan.op_name.endswith("_") and bool(plan.writes) and not plan.remap_args and \
+    """Whether an op's large calls may be judged in pieces, decided once per overload: an in-place op that returns
+    nothing, every argument it writes a Tensor[] list, and either a fused optimizer step (its budget built from its
+    inputs alone, ``Route.early``) or a ``_foreach_`` op whose other arguments are lists or numbers (no tensor of
+    scalars shared by its lists)."""
+    if plan.remap_args or not plan.tensor_args or plan.tensor_args[0].type is not ArgType.TENSORS:
+        return False
+    in_place = plan.op_name.endswith("_") and bool(plan.writes) and not plan.returns and \
         all(spec.type is ArgType.TENSORS for spec in plan.writes)
+    # a _foreach_ op that returns a fresh list (_foreach_sqrt) and writes nothing
+    fresh = not plan.writes and len(plan.returns) == 1 and plan.returns[0].tensors and \
+        not plan.returns[0].aliases_read and not plan.returns[0].aliases_write
+    return in_place and early or (in_place or fresh) and plan.op_name.startswith("_foreach_") and \
+        all(spec.type is ArgType.TENSORS for spec in plan.tensor_args)
+
+
+@functools.cache
+def _number_lists(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of an op's arguments that are lists of numbers (a scalar per list element)."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                 if str(a.type) in ("List[number]", "List[float]", "List[int]", "List[complex]"))
+
+
+def _get(args: Any, kwargs: dict, at: tuple[int, str, bool]) -> Any:
+    i, name, kwarg_only = at
+    return args[i] if not kwarg_only and i < len(args) else kwargs.get(name)
+
+
+def _put(args: list, kwargs: dict, at: tuple[int, str, bool], value: Any) -> None:
+    i, name, kwarg_only = at
+    if not kwarg_only and i < len(args):
+        args[i] = value
+    else:
+        kwargs[name] = value
 
 
 def wants_pieces(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
@@ -53,11 +84,14 @@ def wants_pieces(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> boo
         return False
     if sum(t.numel() * t.element_size() for _, t in plan.tensors(args, kwargs)) < PIECE_BYTES:
         return False
-    n = len(plan.writes[0].get(args, kwargs))
-    return all(len(spec.get(args, kwargs) or ()) in (0, n) for spec in plan.tensor_args
-               if spec.type is ArgType.TENSORS) and \
+    n = len(plan.tensor_args[0].get(args, kwargs))
+    written = [t for _, t in plan.tensors(args, kwargs, plan.writes)]
+    # one output alone is judged whole (its effective bits read off its own rel_norm: Budget.bits)
+    return (len(written) > 1 or not plan.writes and n > 1) and all(len(spec.get(args, kwargs) or ()) in (0, n) for spec in plan.tensor_args
+                                    if spec.type is ArgType.TENSORS) and \
+        all(len(_get(args, kwargs, at) or ()) == n for at in _number_lists(plan.func)) and \
         all(t.is_floating_point() and t.layout == torch.strided and not t.is_nested and not t._is_zerotensor()
-            for _, t in plan.tensors(args, kwargs, plan.writes))
+            for t in written)
 
 
 def before_values(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> Args:
@@ -97,11 +131,22 @@ def judge_pieces(engine: Engine, prepared: Prepared, outputs: Outputs) -> Judged
     elements = 0
     failed = False  # a piece's budget rule failed: the call has none (counted as an internal error)
     drift = engine.options.drift
+    early = builds_early(plan.func)
     for i, span, piece in _pieces(engine, plan, before):
         local = _upcast(engine, plan, piece)
-        budget = None if failed else built_early(engine, plan, local, piece.args, piece.kwargs, prepared.inputs)
-        run_chain(prepared.chain, Replay(plan, local.args, local.kwargs, None, scratch=engine.scratch))
-        references = [t for _, t in plan.tensors(local.args, local.kwargs, plan.writes)]
+        budget = pre = None
+        if not failed and early:  # from the inputs before the replay overwrites them
+            budget = built_early(engine, plan, local, piece.args, piece.kwargs, prepared.inputs)
+        elif not failed:  # after the replay, from copies of what it overwrites where the rule reads them
+            pre = pre_inputs(engine, plan, local, False)
+        result = run_chain(prepared.chain, Replay(plan, local.args, local.kwargs, None, scratch=engine.scratch))[1]
+        # the piece's outputs: its written tensors, or the one it returns
+        keys = [(spec.index, i) for spec, _ in plan.tensors(piece.args, piece.kwargs, plan.writes)] or [(None, i)]
+        references = [t for _, t in plan.tensors(local.args, local.kwargs, plan.writes)] if plan.writes else \
+            [t for _, t in flat_returns(plan, result)]
+        if pre is not None:
+            budget = with_bounds(engine, prepared, budget_of(engine, prepared._replace(pre=pre), references,
+                                                               outputs.dtype))
         # its scale read now, while its references live
         scales = guarded(engine, plan, None, budget.scales) if budget is not None else None
         if scales is None:
@@ -110,9 +155,8 @@ def judge_pieces(engine: Engine, prepared: Prepared, outputs: Outputs) -> Judged
             like = like or Budget.of_pieces(budget, (0.0, 0.0), 0)
             scale, accumulated = scale + scales[0], accumulated + scales[1]
             elements += sum(r.numel() for r in references)
-        for slot, ((spec, _), reference) in enumerate(zip(plan.tensors(piece.args, piece.kwargs, plan.writes),
-                                                          references)):
-            k = item_of[spec.index, i]
+        for slot, (key, reference) in enumerate(zip(keys, references)):
+            k = item_of[key]
             o = items[k]
             bound, ulps = bound_of(budget, slot) if budget is not None else (None, None)
             device = engine.near(o.device, (x.device for x in items))
@@ -137,8 +181,11 @@ def judge_pieces(engine: Engine, prepared: Prepared, outputs: Outputs) -> Judged
                           Budget.of_pieces(like, (scale, accumulated), elements), None)
 
 
-def _items(plan: OpPlan, before: Args) -> dict[tuple[int, int], int]:
-    """(written argument, list index) -> its output's place among ``Outputs.items`` (``read_outputs``' order)."""
+def _items(plan: OpPlan, before: Args) -> dict[tuple[int | None, int], int]:
+    """(written argument, list index) -> its output's place among ``Outputs.items`` (``read_outputs``' order: the
+    written tensors; (None, list index) for an op that returns a fresh list instead, one output per element)."""
+    if not plan.writes:
+        return {(None, i): i for i in range(len(plan.tensor_args[0].get(before.args, before.kwargs)))}
     at, k = {}, 0
     for spec in plan.writes:
         for i, t in enumerate(before.get(spec) or ()):
@@ -150,8 +197,9 @@ def _items(plan: OpPlan, before: Args) -> dict[tuple[int, int], int]:
 
 def _pieces(engine: Engine, plan: OpPlan, before: Args) -> Iterator[tuple[int, slice | None, Args]]:
     """(list index, span of its elements or None for all, the piece's arguments: every list cut to that element)."""
-    lead = before.get(plan.writes[0])
+    lead = before.get(plan.tensor_args[0])
     lists = [spec for spec in plan.tensor_args if spec.type is ArgType.TENSORS and before.get(spec)]
+    numbers = _number_lists(plan.func)
     for i, param in enumerate(lead):
         tensors = [before.get(spec)[i] for spec in lists]
         shape, numel = param.shape, param.numel()
@@ -164,12 +212,15 @@ def _pieces(engine: Engine, plan: OpPlan, before: Args) -> Iterator[tuple[int, s
             args, kwargs = list(before.args), dict(before.kwargs)
             for spec, t in zip(lists, tensors):
                 spec.put(args, kwargs, [_cut(t, span) if t.shape == shape else t])
+            for at in numbers:
+                _put(args, kwargs, at, [_get(before.args, before.kwargs, at)[i]])
             yield i, span, Args(args, kwargs)
 
 
 def _cut(t: torch.Tensor, span: slice | None) -> torch.Tensor:
-    """Elements ``span`` of a contiguous tensor, flat (None: the tensor)."""
-    return t if span is None else t.view(-1)[span]
+    """Elements ``span`` of a tensor, flat (None: the tensor): a view where it is contiguous (the inputs cut always
+    are), a copy of the run where not (a result a kernel laid out otherwise)."""
+    return t if span is None else t.reshape(-1)[span]
 
 
 def _upcast(engine: Engine, plan: OpPlan, piece: Args) -> Args:

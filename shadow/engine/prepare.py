@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..budgets import reads_overwritten
 from ..errors import ShadowMemoryError, Unsupported
 from ..mirror import SHADOW_DTYPES, Placement
 from ..plan import ArgSpec, OpPlan, flat_returns
 from ..records import Event
-from .budget import built_early
+from .budget import built_early, pre_inputs
 from .keep import keepable
 from .pieces import before_values, wants_pieces
 from .values import Args, Prepared
@@ -170,25 +169,6 @@ class Upcasts:
                 values = t if to == t.device else engine.copies.read(t, self.batch)
                 c = self.seen[id(t)] = engine.scratch.copy(values, mirror.shadow_dtype(t.dtype) or t.dtype, to)
         return c
-
-
-def pre_inputs(engine: Engine, plan: OpPlan, reference: Args, spot: bool) -> Args:
-    """The reference's inputs as they are before the op: every input that shares memory with a written argument
-    is copied (the replays write them; ``x.add_(x, alpha=2)``, ``add(x, y, out=x)``), except out= buffers
-    themselves (nothing reads them) and the op's in-place ``self`` when no spot check is planned and the op's
-    budget rules do not read it (``shadow.budgets.reads_overwritten``)."""
-    written = {t.untyped_storage().data_ptr() for _, t in plan.tensors(reference.args, reference.kwargs, plan.writes)}
-    if not written:
-        return Args(list(reference.args), dict(reference.kwargs))
-    skip = plan.out_args if spot or reads_overwritten(plan.func) else plan.write_args
-    scratch = engine.scratch
-
-    def snapshot(t: torch.Tensor, _: ArgSpec) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in written:
-            return t
-        return scratch.copy(t, t.dtype, t.device)
-
-    return Args(*plan.map_tensors(reference.args, reference.kwargs, snapshot, skip))
 
 
 def entry_of(engine: Engine, plan: OpPlan, t: torch.Tensor) -> Any:
