@@ -24,9 +24,10 @@ OPTIMIZERS = {
 SUMS = {"norm", "rel_norm", "effective_bits"}
 
 
-def _run(make, dtype, whole: bool, monkeypatch, scaled: bool = False):
+def _run(make, dtype, whole: bool, monkeypatch, scaled: bool = False, ops: str = "aten._fused_"):
     """Three steps of an MLP whose first weight (120,000 elements) spans four runs of 2**15 and a tail: the
-    device's parameters and optimizer state, their shadows, the optimizer's records, the calls judged in pieces."""
+    device's parameters and optimizer state, their shadows, the records of the ops named ``ops...``, the calls
+    judged in pieces."""
     monkeypatch.setattr(pieces, "PIECE_BYTES", 1 << 62 if whole else 0)
     monkeypatch.setattr(pieces, "CHUNK", 1 << 15)
     judged = []
@@ -50,7 +51,7 @@ def _run(make, dtype, whole: bool, monkeypatch, scaled: bool = False):
         tensors = list(model.parameters()) + [t for s in opt.state.values() for t in s.values()
                                               if isinstance(t, torch.Tensor) and t.is_floating_point()]
         shadows = [sm.shadow_of(t) for t in tensors]
-    records = [r.to_dict() for r in sm.report.records if r.op.startswith("aten._fused_")]
+    records = [r.to_dict() for r in sm.report.records if r.op.startswith(ops)]
     return [t.detach().clone() for t in tensors], shadows, records, len(judged)
 
 
@@ -150,35 +151,15 @@ FOREACH = {
 }
 
 
-def _foreach_records(make, dtype, whole, monkeypatch):
-    """``_run`` of a foreach optimizer: its ``_foreach_`` calls' records (the lerp, mul, addcmul, sqrt, div and
-    addcdiv of Adam over every parameter; the step counters' adds)."""
-    monkeypatch.setattr(pieces, "PIECE_BYTES", 1 << 62 if whole else 0)
-    monkeypatch.setattr(pieces, "CHUNK", 1 << 15)
-    judged = []
-    monkeypatch.setattr(conclude, "judge_pieces", lambda *a: judged.append(1) or pieces.judge_pieces(*a))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(300, 400), nn.GELU(), nn.Linear(400, 10)).to(dtype)
-    opt = make(list(model.parameters()))
-    x, y = torch.randn(16, 300, dtype=dtype), torch.randn(16, 10, dtype=dtype)
-    with ShadowMode(max_repro_bytes=0, spot_checks="off") as sm:
-        for _ in range(3):
-            opt.zero_grad()
-            (model(x) - y).square().mean().backward()
-            opt.step()
-        shadows = [sm.shadow_of(p) for p in model.parameters()]
-    records = [r.to_dict() for r in sm.report.records if r.op.startswith("aten._foreach_")]
-    return shadows, records, len(judged)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(FOREACH))
 def test_foreach_pieces_equal_the_whole_path(name, dtype, monkeypatch):
     """The foreach optimizers' list ops (scalar lists cut per element, budgets built after the replay from copies
     of what it overwrites where the rule reads them; _foreach_sqrt's fresh list): shadows to the bit, records as the
     whole path's."""
-    (s_whole, whole, n_whole), (s_split, split, n_split) = (
-        _foreach_records(FOREACH[name], dtype, w, monkeypatch) for w in (True, False))
+    # the lerp, mul, addcmul, sqrt, div and addcdiv of Adam over every parameter; the step counters' adds
+    (_, s_whole, whole, n_whole), (_, s_split, split, n_split) = (
+        _run(FOREACH[name], dtype, w, monkeypatch, ops="aten._foreach_") for w in (True, False))
     assert n_whole == 0 and n_split > len(split) // 3
     assert all(torch.equal(a, b) for a, b in zip(s_whole, s_split))
     _same_records(whole, split)

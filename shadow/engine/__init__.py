@@ -10,7 +10,8 @@ One call runs through flat steps, each a function that returns an immutable type
 - ``outputs.read_outputs`` -> ``Outputs`` (``outputs.direct_outputs``: the same values, read faster for the calls
   of most ops);
 - ``judge.judge`` -> ``Judged``: the comparisons, the budget (``budget``), the spot check (``spotcheck``); a large
-  fused optimizer call's local replay, budget and comparisons piece by piece instead (``pieces.judge_pieces``);
+  fused optimizer or ``_foreach_`` call's local replay, budget and comparisons piece by piece instead
+  (``pieces.judge_pieces``);
 - ``commit.commit``: the shadows the mirror keeps; ``record.record``: the ``Record``, by keyword.
 
 ``conclude.conclude`` is the one conclusion path. ``EngineHooks`` is how the scope, the trajectory,

@@ -48,8 +48,8 @@ class Prepared(NamedTuple):
     # (its budget, or None where the rule failed), built before the replays overwrote the inputs it reads, which
     # then were not copied (``shadow.budgets.builds_early``); None: built when judged
     early: tuple | None = None
-    # a large call of a fused optimizer judged in pieces (``shadow.engine.pieces``): its inputs as the device had
-    # them before the op, those it writes copied in their own dtypes (``local`` is then None)
+    # a large call of a list op judged in pieces (``shadow.engine.pieces``): its inputs as the device had them
+    # before the op, those it writes copied in their own dtypes (``local`` is then None)
     before: Args | None = None
 
     @property
