@@ -76,22 +76,25 @@ def _put(args: list, kwargs: dict, at: tuple[int, str, bool], value: Any) -> Non
 
 def wants_pieces(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
     """Whether this call of such an op is judged in pieces: its tensors take ``PIECE_BYTES`` or more, the keeper
-    could not keep it, nothing reads its whole local replay, its lists are as long as its parameters' (or empty),
-    and every tensor it writes is a floating strided one."""
+    could not keep it, nothing reads its whole local replay, its lists are as long as its first (or empty), and
+    every tensor it writes (or, for a fresh list, reads first) is a floating strided one."""
     options, hooks = engine.options, engine.hooks
     if options.compare_cpu or hooks.world is not None or hooks.observe is not None or \
             keepable(engine, plan, args, kwargs):
         return False
     if sum(t.numel() * t.element_size() for _, t in plan.tensors(args, kwargs)) < PIECE_BYTES:
         return False
-    n = len(plan.tensor_args[0].get(args, kwargs))
+    lead = plan.tensor_args[0].get(args, kwargs)
+    n = len(lead)
     written = [t for _, t in plan.tensors(args, kwargs, plan.writes)]
     # one output alone is judged whole (its effective bits read off its own rel_norm: Budget.bits)
-    return (len(written) > 1 or not plan.writes and n > 1) and all(len(spec.get(args, kwargs) or ()) in (0, n) for spec in plan.tensor_args
-                                    if spec.type is ArgType.TENSORS) and \
+    if len(written) < 2 and (plan.writes or n < 2):
+        return False
+    return all(len(spec.get(args, kwargs) or ()) in (0, n) for spec in plan.tensor_args
+               if spec.type is ArgType.TENSORS) and \
         all(len(_get(args, kwargs, at) or ()) == n for at in _number_lists(plan.func)) and \
         all(t.is_floating_point() and t.layout == torch.strided and not t.is_nested and not t._is_zerotensor()
-            for t in written)
+            for t in written or lead)
 
 
 def before_values(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> Args:
