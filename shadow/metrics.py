@@ -259,16 +259,15 @@ def compare_pair(y: torch.Tensor, r: torch.Tensor, lo: torch.Tensor, dtype: torc
     if fused is None or n == 0 or lo.shape != r.shape or (n <= _LOOP_FUSED and isinstance(bound, torch.Tensor)) \
             or _off_cpu(r) or _off_cpu(lo) or y.is_complex() or r.is_complex() or lo.is_complex():
         return compare(y, r, dtype), compare(y, lo, dtype, bound)
-    b, scale, alpha, op, other = _pass_bound(bound, lo, dtype)
-    drift, local = fused.pair(y, r, lo, b, _consts(dtype)[0], scale, alpha, op, other)
+    drift, local = part_figures(y, r, lo, dtype, bound)
     return _fused_stats(drift, n, False, dtype), _fused_stats(local, n, bound is not None, dtype)
 
 
 def part_figures(y: torch.Tensor, r: torch.Tensor | None, lo: torch.Tensor, dtype: torch.dtype, bound: Any = None
                  ) -> tuple[list | None, list]:
-    """The fused pass's raw figures of one part of a result (``shadow._fused.FIGURES``): against its shadow ``r``
-    (None: no drift figures) and, with the bound, against its local reference ``lo``; ``joined_stats`` turns the
-    parts of one result into its ``compare``. For real CPU results when numba is there (``can_join``)."""
+    """The fused pass's raw figures (``shadow._fused.FIGURES``) of a result, or one part of it: against its shadow
+    ``r`` (None: no drift figures) and, with the bound, against its local reference ``lo``; ``joined_stats`` turns
+    the parts of one result into its ``compare``. For real CPU results when numba is there (``can_join``)."""
     b, scale, alpha, op, other = _pass_bound(bound, lo, dtype)
     tiny = _consts(dtype)[0]
     if r is None:
@@ -276,10 +275,9 @@ def part_figures(y: torch.Tensor, r: torch.Tensor | None, lo: torch.Tensor, dtyp
     return fused.pair(y, r, lo, b, tiny, scale, alpha, op, other)
 
 
-def can_join(y: torch.Tensor, *references: torch.Tensor) -> bool:
-    """Whether ``part_figures`` reads a result and its references: real, on the CPU, numba there."""
-    return fused is not None and not y.is_complex() and not _off_cpu(y) and \
-        all(not r.is_complex() and not _off_cpu(r) for r in references)
+def can_join(t: torch.Tensor) -> bool:
+    """Whether ``part_figures`` reads tensors like ``t``: real, on the CPU, numba there."""
+    return fused is not None and not t.is_complex() and not _off_cpu(t)
 
 
 def joined_stats(parts: list[list], n: int, bounded: bool, dtype: torch.dtype) -> ErrorStats:
@@ -355,9 +353,7 @@ def _finish(stats: ErrorStats, m: float, nd: float, nr: float, ulp_unit_max: flo
 def _compare_fused(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, n: int, bound: Any) -> ErrorStats:
     """Real results above the tiny size: every figure from one read of y and r (shadow._fused), where the
     paths below read them nine times."""
-    b, scale, alpha, op, other = _pass_bound(bound, r, dtype)
-    return _fused_stats(fused.figures(y, r, b, _consts(dtype)[0], scale, alpha, op, other), n, bound is not None,
-                        dtype)
+    return _fused_stats(part_figures(y, None, r, dtype, bound)[1], n, bound is not None, dtype)
 
 
 def _pass_bound(bound: Any, r: torch.Tensor, dtype: torch.dtype) -> tuple:

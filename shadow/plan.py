@@ -29,6 +29,7 @@ class ArgType(enum.Enum):
     OPT_TENSORS = "Tensor?[]"  # Tensor?[] (index, index_put)
     TENSOR_LISTS = "Tensor[][]"  # Tensor[][] (the c10d list collectives: allgather_, reduce_scatter_)
     REMAP = "remap"  # a dtype or device candidate: rewritten for the float64 CPU replay
+    NUMBERS = "Scalar[]"  # a list of numbers, one per element of a foreach op's lists (_foreach_div_.ScalarList)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ _TENSOR_TYPES = {
     "List[Optional[Tensor]]": ArgType.OPT_TENSORS,
     "List[List[Tensor]]": ArgType.TENSOR_LISTS,
 }
+_NUMBER_LISTS = {"List[number]", "List[float]", "List[int]", "List[complex]"}
 # dtype arguments are typed int in the schema, devices Device: candidates, checked by value at run time.
 _REMAP_TYPES = {"int", "Optional[int]", "Device", "Optional[Device]"}
 
@@ -112,6 +114,7 @@ class OpPlan:
     declared_writes: frozenset[int]  # the ones that bump the version counter
     is_view: bool  # only returns aliases of its inputs and writes nothing: no value to replay
     fresh_returns: bool  # some return is a new value (not an alias of an argument)
+    number_lists: tuple[ArgSpec, ...] = ()  # its lists of numbers (ArgType.NUMBERS)
 
     # --- reading and rewriting arguments by schema name ---
     def has(self, name: str) -> bool:
@@ -192,7 +195,7 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
     """The plan of an op overload (built once)."""
     schema = func._schema
     undeclared = UNDECLARED_WRITES.get(func, ())
-    tensor_args, remap_args = [], []
+    tensor_args, remap_args, number_lists = [], [], []
     for i, a in enumerate(schema.arguments):
         type_name = str(a.type)
         write = bool(a.alias_info is not None and a.alias_info.is_write) or i in undeclared
@@ -201,6 +204,8 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
             tensor_args.append(ArgSpec(i, a.name, arg_type, write, a.kwarg_only))
         elif type_name in _REMAP_TYPES or a.name in ("pin_memory", "half_to_float"):
             remap_args.append(ArgSpec(i, a.name, ArgType.REMAP, False, a.kwarg_only))
+        elif type_name in _NUMBER_LISTS:
+            number_lists.append(ArgSpec(i, a.name, ArgType.NUMBERS, False, a.kwarg_only))
     returns = []
     for r in schema.returns:
         type_name = str(r.type)
@@ -238,6 +243,7 @@ def plan_of(func: torch._ops.OpOverload) -> OpPlan:
         is_view=any(r.is_tensor for r in returns) and all(r.aliases_read for r in returns if r.is_tensor)
         and not writes,
         fresh_returns=any(not (r.aliases_write or r.aliases_read) for r in returns),
+        number_lists=tuple(number_lists),
     )
 
 

@@ -1,4 +1,4 @@
-"""Large fused optimizer calls judged in pieces (shadow.engine.pieces) against the whole path they replace: the same
+"""Large fused optimizer and foreach calls judged in pieces (shadow.engine.pieces) against the whole path they replace: the same
 device results and shadows to the bit, the same records (a parameter judged in runs: its sums joined in another
 order, within rounding)."""
 
@@ -27,7 +27,7 @@ SUMS = {"norm", "rel_norm", "effective_bits"}
 def _run(make, dtype, whole: bool, monkeypatch, scaled: bool = False, ops: str = "aten._fused_"):
     """Three steps of an MLP whose first weight (120,000 elements) spans four runs of 2**15 and a tail: the
     device's parameters and optimizer state, their shadows, the records of the ops named ``ops...``, the calls
-    judged in pieces."""
+    judged in pieces, the internal errors counted."""
     monkeypatch.setattr(pieces, "PIECE_BYTES", 1 << 62 if whole else 0)
     monkeypatch.setattr(pieces, "CHUNK", 1 << 15)
     judged = []
@@ -52,7 +52,7 @@ def _run(make, dtype, whole: bool, monkeypatch, scaled: bool = False, ops: str =
                                               if isinstance(t, torch.Tensor) and t.is_floating_point()]
         shadows = [sm.shadow_of(t) for t in tensors]
     records = [r.to_dict() for r in sm.report.records if r.op.startswith(ops)]
-    return [t.detach().clone() for t in tensors], shadows, records, len(judged)
+    return [t.detach().clone() for t in tensors], shadows, records, len(judged), sm.report.coverage.internal_errors
 
 
 def _same_records(a: list[dict], b: list[dict]) -> None:
@@ -84,6 +84,7 @@ def test_pieces_equal_the_whole_path(name, dtype, monkeypatch):
         for first in (whole[2][0], split[2][0]):  # the memory held, NaN or not
             first.pop("inputs_nonfinite")
     assert (whole[3], split[3]) == (0, 3) and len(split[2]) == 3
+    assert whole[4] == split[4] == 0
     assert all(torch.equal(a, b) for a, b in zip(whole[0], split[0]))  # the device computed the same
     assert all(torch.equal(a, b) for a, b in zip(whole[1], split[1]))  # the shadows to the bit
     _same_records(whole[2], split[2])
@@ -136,7 +137,8 @@ def test_a_budget_rule_failing_in_a_piece_costs_the_call_its_budget_only(monkeyp
         fails.calls = 0
         monkeypatch.setattr(optimizer, "_adam_pass", fails)
         results.append(_run(OPTIMIZERS["adamw"], torch.float32, whole, monkeypatch))
-    (_, shadows_whole, whole, _), (_, shadows_split, split, _) = results
+    (_, shadows_whole, whole, _, errors_whole), (_, shadows_split, split, _, errors_split) = results
+    assert errors_whole > 0 and errors_split > 0
     assert all(torch.equal(a, b) for a, b in zip(shadows_whole, shadows_split))
     assert [r["budget"] for r in split][1:] == [None, None] and split[1]["local"]["max_abs"] > 0
     assert split[1]["local"]["budget_used"] is None
@@ -158,7 +160,7 @@ def test_foreach_pieces_equal_the_whole_path(name, dtype, monkeypatch):
     of what it overwrites where the rule reads them; _foreach_sqrt's fresh list): shadows to the bit, records as the
     whole path's."""
     # the lerp, mul, addcmul, sqrt, div and addcdiv of Adam over every parameter; the step counters' adds
-    (_, s_whole, whole, n_whole), (_, s_split, split, n_split) = (
+    (_, s_whole, whole, n_whole, _), (_, s_split, split, n_split, _) = (
         _run(FOREACH[name], dtype, w, monkeypatch, ops="aten._foreach_") for w in (True, False))
     assert n_whole == 0 and n_split > len(split) // 3
     assert all(torch.equal(a, b) for a, b in zip(s_whole, s_split))

@@ -12,7 +12,6 @@ single output take the whole path."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -54,35 +53,14 @@ def takes_pieces(plan: OpPlan, early: bool) -> bool:
         all(spec.type is ArgType.TENSORS for spec in plan.tensor_args)
 
 
-@functools.cache
-def _number_lists(func: Any) -> tuple[tuple[int, str, bool], ...]:
-    """(position, name, keyword-only) of an op's arguments that are lists of numbers (a scalar per list element)."""
-    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-                 if str(a.type) in ("List[number]", "List[float]", "List[int]", "List[complex]"))
-
-
-def _get(args: Any, kwargs: dict, at: tuple[int, str, bool]) -> Any:
-    i, name, kwarg_only = at
-    return args[i] if not kwarg_only and i < len(args) else kwargs.get(name)
-
-
-def _put(args: list, kwargs: dict, at: tuple[int, str, bool], value: Any) -> None:
-    i, name, kwarg_only = at
-    if not kwarg_only and i < len(args):
-        args[i] = value
-    else:
-        kwargs[name] = value
-
-
 def wants_pieces(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> bool:
     """Whether this call of such an op is judged in pieces: its tensors take ``PIECE_BYTES`` or more, the keeper
     could not keep it, nothing reads its whole local replay, its lists are as long as its first (or empty), and
     every tensor it writes (or, for a fresh list, reads first) is a floating strided one."""
     options, hooks = engine.options, engine.hooks
     if options.compare_cpu or hooks.world is not None or hooks.observe is not None or \
+            sum(t.numel() * t.element_size() for _, t in plan.tensors(args, kwargs)) < PIECE_BYTES or \
             keepable(engine, plan, args, kwargs):
-        return False
-    if sum(t.numel() * t.element_size() for _, t in plan.tensors(args, kwargs)) < PIECE_BYTES:
         return False
     lead = plan.tensor_args[0].get(args, kwargs)
     n = len(lead)
@@ -92,7 +70,7 @@ def wants_pieces(engine: Engine, plan: OpPlan, args: tuple, kwargs: dict) -> boo
         return False
     return all(len(spec.get(args, kwargs) or ()) in (0, n) for spec in plan.tensor_args
                if spec.type is ArgType.TENSORS) and \
-        all(len(_get(args, kwargs, at) or ()) == n for at in _number_lists(plan.func)) and \
+        all(len(spec.get(args, kwargs) or ()) == n for spec in plan.number_lists) and \
         all(t.is_floating_point() and t.layout == torch.strided and not t.is_nested and not t._is_zerotensor()
             for t in written or lead)
 
@@ -135,7 +113,7 @@ def judge_pieces(engine: Engine, prepared: Prepared, outputs: Outputs) -> Judged
     failed = False  # a piece's budget rule failed: the call has none (counted as an internal error)
     drift = engine.options.drift
     early = builds_early(plan.func)
-    for i, span, piece in _pieces(engine, plan, before):
+    for i, span, piece in _pieces(plan, before):
         local = _upcast(engine, plan, piece)
         budget = pre = None
         if not failed and early:  # from the inputs before the replay overwrites them
@@ -198,11 +176,10 @@ def _items(plan: OpPlan, before: Args) -> dict[tuple[int | None, int], int]:
     return at
 
 
-def _pieces(engine: Engine, plan: OpPlan, before: Args) -> Iterator[tuple[int, slice | None, Args]]:
+def _pieces(plan: OpPlan, before: Args) -> Iterator[tuple[int, slice | None, Args]]:
     """(list index, span of its elements or None for all, the piece's arguments: every list cut to that element)."""
     lead = before.get(plan.tensor_args[0])
     lists = [spec for spec in plan.tensor_args if spec.type is ArgType.TENSORS and before.get(spec)]
-    numbers = _number_lists(plan.func)
     for i, param in enumerate(lead):
         tensors = [before.get(spec)[i] for spec in lists]
         shape, numel = param.shape, param.numel()
@@ -213,10 +190,13 @@ def _pieces(engine: Engine, plan: OpPlan, before: Args) -> Iterator[tuple[int, s
         spans = [slice(a, min(a + CHUNK, numel)) for a in range(0, numel, CHUNK)] if chunked else [None]
         for span in spans:
             args, kwargs = list(before.args), dict(before.kwargs)
+            cuts: dict[int, torch.Tensor] = {}  # a tensor in two lists (addcmul_(v, g, g)) is one tensor in the piece
             for spec, t in zip(lists, tensors):
-                spec.put(args, kwargs, [_cut(t, span) if t.shape == shape else t])
-            for at in numbers:
-                _put(args, kwargs, at, [_get(before.args, before.kwargs, at)[i]])
+                if id(t) not in cuts:
+                    cuts[id(t)] = _cut(t, span) if t.shape == shape else t
+                spec.put(args, kwargs, [cuts[id(t)]])
+            for spec in plan.number_lists:
+                spec.put(args, kwargs, [before.get(spec)[i]])
             yield i, span, Args(args, kwargs)
 
 
